@@ -1,0 +1,7 @@
+"""The agent API (DESIGN section 3)."""
+
+from molt.agents.base import AgentRunnerBase, Result, RolloutOutcome, RolloutRequest, SamplingParams, load_agent_runner
+from molt.agents.env import Env, StepEnvRunner, StepState
+
+__all__ = ["AgentRunnerBase", "Env", "Result", "RolloutOutcome", "RolloutRequest", "SamplingParams",
+           "StepEnvRunner", "StepState", "load_agent_runner"]

@@ -1,0 +1,107 @@
+"""What every agent returns, what a rollout request carries, and how a user's agent file is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from molt.experience import Experience
+
+
+@dataclass(kw_only=True)
+class Result:
+    """What an Env step or a ChatAgent returns (DESIGN section 3)."""
+
+    reward: float
+    terminated: bool = True
+    truncated: bool = False
+    observation: str = ""  # Env path: text fed back to the policy as context (not trained on)
+    info: dict[str, float] = field(default_factory=dict)  # numeric metrics, averaged per step
+    score: float | None = None  # for group filtering; None means the reward
+    images: list[Any] | None = None
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(kw_only=True)
+class RolloutRequest:
+    """One rollout of one prompt, as dispatched by the controller."""
+
+    rollout_id: int
+    group_id: int
+    sample_index: int
+    messages: list[dict]
+    label: str
+    tools: list[dict] | None
+    sampling: SamplingParams
+    max_length: int  # longest token sequence of one segment
+    max_turns: int
+    policy_version: int  # engine weight version when dispatched
+    metadata: dict | None = None
+
+
+@dataclass(kw_only=True)
+class RolloutOutcome:
+    """A finished rollout: its experiences, or the reason it failed."""
+
+    rollout_id: int
+    group_id: int
+    experiences: list[Experience]
+    failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation'
+    error: str = ""  # the exception text of a failure, for the log
+
+    def __post_init__(self) -> None:
+        for experience in self.experiences:
+            if not math.isfinite(experience.reward):
+                self.failure, self.error = "bad_result", f"non-finite reward {experience.reward}"
+
+
+class Generation(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+
+
+class Sampler(Protocol):
+    """What a runner generates with: the rollout rank's engine."""
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation: ...
+
+
+class AgentRunnerBase:
+    """Runs one rollout request to completion. Subclassed by StepEnvRunner and ChatAgentRunner."""
+
+    async def run(self, request: RolloutRequest, sampler: Sampler, tokenizer) -> RolloutOutcome:
+        raise NotImplementedError
+
+
+def load_agent_runner(path: str) -> AgentRunnerBase:
+    """Import the user's agent file and instantiate its `AgentRunner()` with no arguments."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"agent.path={path!r} does not exist; point it at a Python file defining AgentRunner")
+    module_name = f"molt_user_agent_{file.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling-free introspection need it registered
+    spec.loader.exec_module(module)
+    runner_class = getattr(module, "AgentRunner", None)
+    if runner_class is None:
+        raise AttributeError(
+            f"agent.path={path!r} defines no AgentRunner; add `class AgentRunner(StepEnvRunner)` "
+            f"whose __init__ calls super().__init__(YourEnv)")
+    runner = runner_class()
+    if not isinstance(runner, AgentRunnerBase):
+        raise TypeError(f"agent.path={path!r}: AgentRunner must subclass StepEnvRunner or ChatAgentRunner, "
+                        f"got {runner_class.__mro__[1:]}")
+    return runner

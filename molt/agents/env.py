@@ -1,0 +1,148 @@
+"""The Env path: the framework generates, the user's Env judges each step (DESIGN section 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from molt.agents.base import AgentRunnerBase, Result, RolloutOutcome, RolloutRequest, Sampler, SamplingParams
+from molt.experience import Experience
+
+logger = logging.getLogger("molt")
+
+
+@dataclass(kw_only=True)
+class StepState:
+    """What an Env sees at each step."""
+
+    observation_text: str  # the conversation so far, as the policy saw it (rendered chat text)
+    action_text: str  # this turn's sampled text, special tokens removed
+    label: str
+    turn: int  # 0-based
+    sampling_params: SamplingParams
+
+
+class Env:
+    """Subclass and implement `step`. A fresh instance is made for every rollout."""
+
+    async def step(self, state: StepState) -> Result:
+        raise NotImplementedError
+
+
+class StepEnvRunner(AgentRunnerBase):
+    """Drives an Env: render the prompt, generate, let the Env judge, append its observation, repeat."""
+
+    def __init__(self, env_class: type[Env]):
+        if not (isinstance(env_class, type) and issubclass(env_class, Env)):
+            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_class!r}")
+        self.env_class = env_class
+        self._observation_templates: dict[int, tuple[str, str]] = {}
+
+    async def run(self, request: RolloutRequest, sampler: Sampler, tokenizer) -> RolloutOutcome:
+        trace = _Trace()
+        prompt_text = tokenizer.apply_chat_template(
+            request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
+        trace.add_context(tokenizer.encode(prompt_text, add_special_tokens=False))
+        env = self.env_class()
+        total_reward, total_score, info = 0.0, 0.0, {}
+        observation_text, truncated = prompt_text, False
+        for turn in range(request.max_turns):
+            budget = min(request.sampling.max_tokens, request.max_length - len(trace.token_ids))
+            if budget <= 0:
+                truncated = True
+                break
+            sampling = SamplingParams(max_tokens=budget, temperature=request.sampling.temperature,
+                                      top_p=request.sampling.top_p)
+            generation = await sampler.generate(trace.token_ids, sampling)
+            trace.add_action(generation.token_ids, generation.logprobs, generation.policy_version)
+            action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+            result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
+                                              label=request.label, turn=turn, sampling_params=sampling))
+            if not isinstance(result, Result):
+                raise _BadResult(f"{self.env_class.__name__}.step returned {type(result).__name__}, "
+                                 f"not molt.agents.Result; return Result(reward=...)")
+            total_reward += float(result.reward)
+            total_score += float(result.reward if result.score is None else result.score)
+            info.update({k: float(v) for k, v in result.info.items()})
+            truncated = result.truncated or generation.finish_reason == "length"
+            if result.terminated or result.truncated:
+                break
+            context_text = self._render_observation(tokenizer, result.observation)
+            observation_text += tokenizer.decode(generation.token_ids, skip_special_tokens=False) + context_text
+            trace.add_context(tokenizer.encode(context_text, add_special_tokens=False))
+        else:
+            truncated = True  # ran out of turns without the Env terminating
+        experience = Experience(
+            token_ids=trace.token_ids, action_mask=trace.action_mask, behavior_logprobs=trace.logprobs,
+            policy_versions=trace.versions, reward=total_reward, score=total_score,
+            group_id=request.group_id, rollout_id=request.rollout_id, truncated=truncated, info=info)
+        return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=[experience])
+
+    def _render_observation(self, tokenizer, observation: str) -> str:
+        """Text the chat template puts after an assistant turn's end token for a user `observation`,
+        up to and including the next generation prompt. Derived from the template once, so the
+        appended context matches what the template would render for the whole conversation."""
+        key = id(tokenizer)
+        if key not in self._observation_templates:
+            marker = "\x00OBSERVATION\x00"
+            history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+            before = tokenizer.apply_chat_template(history, tokenize=False)
+            after = tokenizer.apply_chat_template(
+                history + [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+            if not after.startswith(before):
+                raise ValueError("the chat template re-renders earlier turns when a user turn is added; "
+                                 "multi-turn Envs need a prefix-preserving template")
+            eos_text = tokenizer.eos_token or ""
+            tail = before[before.rfind(eos_text) + len(eos_text):] if eos_text and eos_text in before else ""
+            self._observation_templates[key] = tuple((tail + after[len(before):]).split(marker, 1))
+        head, rest = self._observation_templates[key]
+        return head + observation + rest
+
+
+class _BadResult(TypeError):
+    """An Env returned something other than a Result."""
+
+
+class _Trace:
+    """Token-axis buffers of one segment."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.action_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def add_context(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.action_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+
+    def add_action(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        self.token_ids += token_ids
+        self.action_mask += [1] * len(token_ids)
+        self.logprobs += logprobs
+        self.versions += [version] * len(token_ids)
+
+
+async def run_with_timeout(runner: AgentRunnerBase, request: RolloutRequest, sampler: Sampler, tokenizer,
+                           timeout_seconds: float) -> RolloutOutcome:
+    """Run one rollout; a timeout, an exception or a bad return value becomes a failed outcome."""
+    def failed(reason: str, error: BaseException | str) -> RolloutOutcome:
+        return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=[],
+                              failure=reason, error=str(error))
+    try:
+        outcome = await asyncio.wait_for(runner.run(request, sampler, tokenizer), timeout_seconds)
+    except asyncio.TimeoutError:
+        return failed("timeout", f"rollout exceeded agent.rollout_timeout_seconds={timeout_seconds}")
+    except _BadResult as error:
+        return failed("bad_result", error)
+    except Exception as error:  # user code: any exception fails this rollout only
+        logger.debug("rollout %d failed", request.rollout_id, exc_info=True)
+        return failed("agent_error", f"{type(error).__name__}: {error}")
+    if not outcome.failure and not any(sum(e.action_mask) for e in outcome.experiences):
+        return failed("no_generation", "the agent never called the model")
+    return outcome

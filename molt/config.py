@@ -1,0 +1,336 @@
+"""Run configuration: dataclass sections, Python recipes, `--set` overrides, start-up validation.
+
+A recipe is a function in `configs/<name>.py` returning a fresh `MoltConfig`. The command line
+names it with `--config PATH[:FUNCTION]` (default function `config`) and changes fields with
+repeatable `--set section.field=value`, type-checked against the dataclasses.
+
+`python -m molt.config --config configs/demo.py [--set ...]` prints the resolved config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and the fix."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory used by the trainer and the engines."""
+    dtype: str = "float32"
+    """Parameter dtype on trainer and engines: float32 | bfloat16 | float16."""
+
+
+@dataclass(kw_only=True)
+class LayoutConfig:
+    num_trainer_ranks: int = 1
+    """Ranks 0..T-1 train (FSDP2 data-parallel); the rest host one vLLM engine each."""
+    num_rollout_ranks: int = 1
+    """Ranks T..T+R-1; T + R must equal the torchrun world size."""
+    engine_tensor_parallel_size: int = 1
+    """Devices per engine (GPU only; 1 on CPU)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_path: str = ""
+    """Chat-format prompts, .jsonl or .parquet."""
+    shuffle: bool = True
+    """Shuffle the prompt stream each epoch (seeded by `seed`)."""
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    path: str = ""
+    """Python file defining `AgentRunner` (a StepEnvRunner or ChatAgentRunner subclass)."""
+    max_turns: int = 1
+    """Most Env steps per rollout; the rollout is truncated after it."""
+    rollout_timeout_seconds: float = 300.0
+    """Wall-clock limit of one rollout; past it the rollout fails with reason 'timeout'."""
+    max_concurrent_rollouts: int = 256
+    """Rollouts one rollout rank runs at a time."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    prompts_per_step: int = 8
+    """Prompts per optimizer step; each becomes a group of n_samples_per_prompt rollouts."""
+    n_samples_per_prompt: int = 8
+    """Rollouts per prompt (the group size of group advantage estimators)."""
+    max_response_tokens: int = 64
+    """max_tokens of each generation."""
+    max_length: int = 1024
+    """Longest token sequence of one segment (prompt + context + responses)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer recomputes log-probs at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    engine_memory_fraction: float = 0.1
+    """vLLM gpu_memory_utilization: a share of GPU memory, or of host memory on CPU."""
+    engine_threads: int = 0
+    """CPU only: OpenMP threads of each engine (0 = vLLM's default)."""
+    engine_start_timeout_seconds: float = 300.0
+    """Longest wait for the engines to come up."""
+    enforce_eager: bool = True
+    """Skip CUDA graph capture / compilation (faster start, slower decode)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    num_steps: int = 100
+    """Optimizer steps to run."""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    max_tokens_per_micro_batch: int = 8192
+    """Padded tokens (rows x longest row) per forward/backward on one trainer rank."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    advantage_estimator: str = "grpo"
+    """Advantage estimator: grpo."""
+    clip_eps_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_eps_high: float = 0.2
+    """PPO ratio clip above 1 (raise for DAPO's clip-higher)."""
+    max_staleness: int = 0
+    """Policy versions a rollout may lag at consumption; 0 = synchronous."""
+
+
+@dataclass(kw_only=True)
+class RefitConfig:
+    bucket_megabytes: float = 64.0
+    """Size of one broadcast bucket; control messages per refit are O(buckets)."""
+    timeout_seconds: float = 120.0
+    """One limit over a whole refit (gather, broadcast, engine reload)."""
+    check_every_steps: int = 0
+    """Compare engine and trainer log-probs on a fixed probe every N refits (0 = never)."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    output_dir: str = ""
+    """Run directory for metrics.jsonl, config.json and W&B files ('' = runs/<name>)."""
+    wandb_mode: str = "disabled"
+    """W&B: disabled | offline | online."""
+    wandb_project: str = "molt"
+    """W&B project name."""
+
+
+@dataclass(kw_only=True)
+class MoltConfig:
+    name: str = "run"
+    """Run name, used for the output directory and W&B."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    device: str = "auto"
+    """auto | cpu | cuda: where trainers compute and which collective backend they use."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.num_trainer_ranks + self.layout.num_rollout_ranks
+
+    @property
+    def output_dir(self) -> str:
+        return self.metrics.output_dir or os.path.join("runs", self.name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and overrides
+
+
+def load_config(spec: str, overrides: list[str] = ()) -> MoltConfig:
+    """Build the config named by `PATH[:FUNCTION]` and apply `a.b=value` overrides."""
+    path, _, function_name = spec.partition(":")
+    function_name = function_name or "config"
+    if not Path(path).is_file():
+        raise ConfigError(f"--config {spec!r}: no file {path!r}; pass a recipe such as configs/demo.py")
+    module_spec = importlib.util.spec_from_file_location(f"molt_recipe_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ConfigError(f"--config {spec!r}: {path} has no function {function_name!r}; it has {names}")
+    cfg = function()
+    if not isinstance(cfg, MoltConfig):
+        raise ConfigError(f"--config {spec!r}: {function_name}() returned {type(cfg).__name__}, not MoltConfig")
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def apply_override(cfg: MoltConfig, item: str) -> None:
+    """Set one `a.b=value` on `cfg`, converting the value to the field's declared type."""
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.learning_rate=1e-5")
+    target = cfg
+    parts = key.strip().split(".")
+    for depth, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if part not in fields:
+            prefix = ".".join(parts[:depth])
+            valid = [f"{prefix}.{n}" if prefix else n for n in fields]
+            close = difflib.get_close_matches(key, _all_keys(cfg), n=1) or valid[:1]
+            raise ConfigError(f"--set {item!r}: unknown key {key!r}; did you mean {close[0]!r}?")
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(target, part)):
+                raise ConfigError(f"--set {item!r}: {key!r} is a section; set one of its fields")
+            hint = typing.get_type_hints(type(target))[part]
+            setattr(target, part, _convert(raw.strip(), hint, key))
+        else:
+            target = getattr(target, part)
+            if not dataclasses.is_dataclass(target):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])!r} is not a section")
+
+
+def _all_keys(cfg, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _convert(raw: str, hint, key: str):
+    origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            lowered = raw.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return lowered in ("true", "1", "yes")
+        if hint in (int, float, str):
+            return hint(raw)
+        if origin in (tuple, list):
+            values = json.loads(raw if raw.startswith("[") else f"[{raw}]")
+            args = typing.get_args(hint)
+            item_type = args[0] if args else str
+            return origin(item_type(v) for v in values)
+        if origin in (typing.Union, types.UnionType):
+            return json.loads(raw)
+    except (ValueError, json.JSONDecodeError) as error:
+        raise ConfigError(f"--set {key}={raw!r}: expected {_type_name(hint)}") from error
+    raise ConfigError(f"--set {key}: fields of type {_type_name(hint)} cannot be set from the command line")
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
+    """Cross-section checks done once at start-up; raises ConfigError naming the field."""
+    errors = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    layout, rollout, train, algo = cfg.layout, cfg.rollout, cfg.train, cfg.algorithm
+    check(layout.num_trainer_ranks >= 1, f"layout.num_trainer_ranks={layout.num_trainer_ranks}: need at least 1")
+    check(layout.num_rollout_ranks >= 1, f"layout.num_rollout_ranks={layout.num_rollout_ranks}: need at least 1")
+    if world_size is not None:
+        check(cfg.world_size == world_size,
+              f"layout.num_trainer_ranks + layout.num_rollout_ranks = {layout.num_trainer_ranks} + "
+              f"{layout.num_rollout_ranks} = {cfg.world_size}, but the job has {world_size} ranks; "
+              f"set the split to add up to {world_size} or launch with --nproc_per_node={cfg.world_size}")
+    check(bool(cfg.model.path), "model.path is empty: set it to a Hugging Face model directory")
+    check(not cfg.model.path or Path(cfg.model.path, "config.json").is_file(),
+          f"model.path={cfg.model.path!r} has no config.json: point it at a Hugging Face model directory")
+    check(cfg.model.dtype in ("float32", "bfloat16", "float16"),
+          f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
+    check(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r}: use auto, cpu or cuda")
+    check(bool(cfg.data.train_path) and Path(cfg.data.train_path).is_file(),
+          f"data.train_path={cfg.data.train_path!r} is not a file: point it at a .jsonl or .parquet prompt set")
+    check(bool(cfg.agent.path) and Path(cfg.agent.path).is_file(),
+          f"agent.path={cfg.agent.path!r} is not a file: point it at a Python file defining AgentRunner")
+    check(cfg.agent.max_turns >= 1, f"agent.max_turns={cfg.agent.max_turns}: need at least 1")
+    check(rollout.prompts_per_step >= 1, f"rollout.prompts_per_step={rollout.prompts_per_step}: need at least 1")
+    check(rollout.n_samples_per_prompt >= 1,
+          f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: need at least 1")
+    check(algo.advantage_estimator != "grpo" or rollout.n_samples_per_prompt > 1,
+          f"algorithm.advantage_estimator='grpo' needs rollout.n_samples_per_prompt > 1 "
+          f"(got {rollout.n_samples_per_prompt}): a group of one has zero advantage")
+    check(algo.advantage_estimator in ("grpo",),
+          f"algorithm.advantage_estimator={algo.advantage_estimator!r}: supported: grpo")
+    check(rollout.max_response_tokens < rollout.max_length,
+          f"rollout.max_response_tokens={rollout.max_response_tokens} must be below "
+          f"rollout.max_length={rollout.max_length}")
+    check(rollout.temperature > 0, f"rollout.temperature={rollout.temperature}: must be > 0")
+    check(0 < rollout.engine_memory_fraction <= 1,
+          f"rollout.engine_memory_fraction={rollout.engine_memory_fraction}: must be in (0, 1]")
+    check(train.max_tokens_per_micro_batch >= rollout.max_length,
+          f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
+          f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")
+    check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
+    check(algo.max_staleness == 0,
+          f"algorithm.max_staleness={algo.max_staleness}: only synchronous training (0) is available yet")
+    check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
+    check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
+    check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
+          f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def build_arg_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="recipe file, PATH[:FUNCTION] (default function: config)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the layout, start nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser("Print the resolved Molt config.").parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        validate_config(cfg)
+    except ConfigError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    sys.stdout.write(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Prompt rows and the resumable loader that feeds them to the rollout controller (DESIGN section 2).
+
+A row is chat-format: `messages` (or a plain-text `prompt`, which becomes one user message), a
+`label` for the reward, and optional `tools`, `images` and `metadata`. Rows are read from JSONL
+or Parquet and validated once, up front, so a bad row fails at start-up with its file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.utils.data import Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+logger = logging.getLogger("molt")
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(kw_only=True)
+class PromptRow:
+    """One prompt: the conversation to continue and what the reward compares against."""
+
+    messages: list[dict]  # OpenAI-style chat messages, at least one
+    label: str = ""  # reference answer for the reward; "" when the agent does not need one
+    tools: list[dict] | None = None  # OpenAI-style tool schemas offered to the model
+    images: list[str] | None = None  # image paths, URLs or data URIs
+    metadata: dict | None = None  # free-form, passed through to the agent and logs
+
+
+def parse_prompt_row(record: object, where: str) -> PromptRow:
+    """Validate one decoded record; `where` ("file:line") prefixes every error."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object per row, got {type(record).__name__}")
+    if record.get("messages") is not None:
+        messages = record["messages"]
+    elif record.get("prompt") is not None:
+        if not isinstance(record["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got {type(record['prompt']).__name__}")
+        messages = [{"role": "user", "content": record["prompt"]}]
+    else:
+        raise ValueError(
+            f"{where}: row has neither 'messages' nor 'prompt' (keys: {sorted(record)}); add "
+            '"messages": [{"role": "user", "content": "..."}] or "prompt": "..."'
+        )
+    return PromptRow(
+        messages=_check_messages(messages, where),
+        label=_check_label(record.get("label"), where),
+        tools=_check_tools(record.get("tools"), where),
+        images=_check_images(record.get("images"), where),
+        metadata=_check_metadata(record.get("metadata"), where),
+    )
+
+
+def _check_messages(messages: object, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of chat messages, got {messages!r}")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in VALID_ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ValueError(
+                f"{where}: messages[{index}] has role {role!r}; each message needs a 'role' "
+                f"in {VALID_ROLES} and a 'content'"
+            )
+        # Parquet stores every struct field, so absent keys come back as None; drop them so
+        # the chat template sees the same message a JSONL row would give.
+        message = {key: value for key, value in message.items() if value is not None}
+        if "content" not in message and not message.get("tool_calls"):
+            raise ValueError(f"{where}: messages[{index}] ({message['role']}) has no 'content'")
+        checked.append(message)
+    return checked
+
+
+def _check_label(label: object, where: str) -> str:
+    if label is None:
+        return ""
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise ValueError(f"{where}: 'label' must be a string or number, got {label!r}")
+    return str(label)
+
+
+def _check_tools(tools: object, where: str) -> list[dict] | None:
+    if isinstance(tools, str):  # Parquet datasets often keep heterogeneous schemas as JSON text
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: 'tools' is a string but not valid JSON ({error})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of tool schemas (objects), got {tools!r}")
+    return tools or None
+
+
+def _check_images(images: object, where: str) -> list[str] | None:
+    if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+        raise ValueError(f"{where}: 'images' must be a list of paths, URLs or data URIs, got {images!r}")
+    return images or None
+
+
+def _check_metadata(metadata: object, where: str) -> dict | None:
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"{where}: 'metadata' must be an object, got {metadata!r}")
+    return metadata
+
+
+def load_prompt_rows(path: str | Path) -> list[PromptRow]:
+    """Read and validate every row of a .jsonl or .parquet prompt file."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        rows = _load_jsonl(path)
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(path).to_pylist()
+        rows = [parse_prompt_row(record, f"{path}:row {index}") for index, record in enumerate(records)]
+    else:
+        raise ValueError(f"prompt file {path} has suffix {path.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise ValueError(f"prompt file {path} has no rows")
+    logger.info("loaded %d prompt rows from %s", len(rows), path)
+    return rows
+
+
+def _load_jsonl(path: Path) -> list[PromptRow]:
+    rows = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: not valid JSON ({error}); each line must be one JSON object") from None
+            rows.append(parse_prompt_row(record, where))
+    return rows
+
+
+class PromptDataset(Dataset):
+    """Map-style dataset over validated prompt rows."""
+
+    def __init__(self, rows: list[PromptRow]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PromptRow:
+        return self.rows[index]
+
+
+class EpochOrderSampler(Sampler[int]):
+    """Visits every row once per epoch, in an order that depends only on (seed, epoch).
+
+    torch's RandomSampler draws each epoch's order from one running generator, which a resumed
+    loader does not reproduce for the epochs after the one it resumed in; here a resumed run
+    replays exactly the orders of an uninterrupted one. Its state is (epoch, rows yielded).
+    """
+
+    def __init__(self, num_rows: int, *, shuffle: bool, seed: int):
+        self.num_rows = num_rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.num_yielded = 0  # rows of the current epoch already handed out
+        self.resume_from = 0  # position to start the next iteration at, set by load_state_dict
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(f"prompt-order:{self.seed}:{self.epoch}").shuffle(order)
+        start, self.resume_from = self.resume_from, 0
+        for position in range(start, self.num_rows):
+            self.num_yielded = position + 1
+            yield order[position]
+        self.epoch += 1
+        self.num_yielded = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "num_yielded": self.num_yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = state["epoch"]
+        self.num_yielded = self.resume_from = state["num_yielded"]
+
+
+def collate_prompt_rows(rows: list[PromptRow]) -> list[PromptRow]:
+    """Keep a batch as a plain list: rows go to agents as text, never as tensors."""
+    return list(rows)
+
+
+def build_prompt_loader(
+    path: str | Path,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool = True,
+) -> StatefulDataLoader:
+    """A resumable loader of `batch_size`-row lists; one pass over it is one epoch.
+
+    Its state_dict (epoch and position) goes into checkpoints, so a resumed run neither repeats
+    nor skips a prompt and sees the same order as an uninterrupted one. The caller starts the
+    next epoch by iterating the loader again.
+    """
+    dataset = PromptDataset(load_prompt_rows(path))
+    if drop_last and len(dataset) < batch_size:
+        raise ValueError(
+            f"prompt file {path} has {len(dataset)} rows, fewer than batch_size={batch_size}; "
+            "lower the batch size or add rows"
+        )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EpochOrderSampler(len(dataset), shuffle=shuffle, seed=seed),
+        drop_last=drop_last,
+        collate_fn=collate_prompt_rows,
+    )

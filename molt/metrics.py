@@ -1,0 +1,162 @@
+"""Metrics: one logger fans out to console, metrics.jsonl and W&B (DESIGN section 9)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger("molt")
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+# Metrics shown on the console progress line: key -> (label, format). Absent keys are skipped.
+PROGRESS_FIELDS = {
+    "reward/mean": ("reward", "{:.3f}"),
+    "throughput/tokens_per_second": ("tokens/s", "{:.0f}"),
+    "time/step_seconds": ("step", "{:.2f}s"),
+    "async/staleness_mean": ("staleness", "{:.2f}"),
+}
+
+
+def configure_logging(rank: int) -> None:
+    """Send the "molt" logger to stderr at INFO, each line tagged with the rank; safe to repeat."""
+    molt_logger = logging.getLogger("molt")
+    formatter = logging.Formatter(f"%(asctime)s [molt r{rank}] %(levelname)s %(message)s")
+    handler = next((h for h in molt_logger.handlers if getattr(h, "molt_console", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler()  # stderr
+        handler.molt_console = True
+        molt_logger.addHandler(handler)
+    handler.setFormatter(formatter)
+    molt_logger.setLevel(logging.INFO)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to `output_dir/metrics.jsonl`, W&B and one console line.
+
+    Only rank 0 logs: elsewhere build it with `enabled=False` and every method does nothing.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_dir: str,
+        run_name: str,
+        config: dict,
+        wandb_mode: str = "disabled",
+        wandb_project: str = "molt",
+        total_steps: int,
+        enabled: bool = True,
+    ) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode={wandb_mode!r} is not one of {WANDB_MODES}; pick one of those")
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.nonfinite_counts: dict[str, int] = {}  # metric key -> steps where it was NaN/inf
+        self._file = None
+        self._wandb_run = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        # Append, so a resumed run continues the same file (repeated steps: the last one wins).
+        self._file = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        if wandb_mode != "disabled":
+            self._wandb_run = _start_wandb(out, run_name, wandb_project, wandb_mode, config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step; each JSONL line is flushed, so a killed run keeps every finished step."""
+        if not self.enabled:
+            return
+        values = {key: float(value) for key, value in metrics.items()}
+        row: dict[str, float | None] = {"step": step}
+        for key, value in values.items():
+            finite = math.isfinite(value)
+            if not finite:
+                self._count_nonfinite(key, value, step)
+            row[key] = value if finite else None  # JSON has no NaN/inf
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(values, step=step)
+        logger.info(self._format_progress(step, values))
+
+    def close(self) -> None:
+        """Finish the W&B run and close the JSONL file; safe to call twice."""
+        if self.nonfinite_counts:
+            logger.warning("non-finite metric values (logged as null): %s", self.nonfinite_counts)
+            self.nonfinite_counts = {}
+        if self._wandb_run is not None:
+            import wandb
+
+            self._wandb_run.finish()
+            # finish() returns before W&B's helper process has written the run files (offline runs
+            # read straight back came out truncated); teardown waits for it.
+            wandb.teardown()
+            self._wandb_run = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _count_nonfinite(self, key: str, value: float, step: int) -> None:
+        if key not in self.nonfinite_counts:
+            logger.warning("metric %s is %s at step %d; logged as null (warned once per key)", key, value, step)
+        self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
+
+    def _format_progress(self, step: int, values: dict[str, float]) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, (label, fmt) in PROGRESS_FIELDS.items():
+            if key in values:
+                parts.append(f"{label} {fmt.format(values[key])}")
+        return " | ".join(parts)
+
+
+def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, config: dict):
+    # Imported here: W&B is slow to import and starts a helper process, unneeded when disabled.
+    import wandb
+
+    started = time.perf_counter()
+    run = wandb.init(
+        project=project,
+        name=run_name,
+        config=config,
+        mode=mode,
+        dir=output_dir,  # run files go to output_dir/wandb, never the working directory
+        settings=wandb.Settings(silent=True),
+    )
+    run_dir = Path(run.dir).parent  # run.dir is its files/ subfolder
+    logger.info("W&B %s run in %s (started in %.1fs)", mode, run_dir, time.perf_counter() - started)
+    if mode == "offline":
+        logger.info("upload it later with: wandb sync %s", run_dir)
+    return run
+
+
+class StageTimer:
+    """Accumulates wall-clock seconds per stage as `time/<stage>` until `pop`.
+
+    GPU work is asynchronous: a stage measures its GPU time only if it ends in a host sync.
+    """
+
+    def __init__(self) -> None:
+        self._seconds: defaultdict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[f"time/{name}"] += time.perf_counter() - started
+
+    def pop(self) -> dict[str, float]:
+        """Return the seconds accumulated since the last pop and start again from zero."""
+        seconds = dict(self._seconds)
+        self._seconds.clear()
+        return seconds

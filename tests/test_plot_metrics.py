@@ -1,0 +1,64 @@
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "plot_metrics.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("plot_metrics", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(run_dir: Path) -> Path:
+    run_dir.mkdir()
+    path = run_dir / "metrics.jsonl"
+    rows = [{"step": step, "reward/mean": step / 40 + (step % 3) * 0.05, "loss": None} for step in range(1, 41)]
+    rows.append({"step": 40, "reward/mean": 2.0})  # a resumed run re-logs step 40: the last line wins
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 41, "rew')  # killed mid-line
+    return path
+
+
+def test_plot_writes_a_png(tmp_path):
+    tool = load_tool()
+    jsonl = write_run(tmp_path / "grpo-demo")
+
+    out = tool.plot_metrics(jsonl, tmp_path / "reward.png")
+
+    data = Path(out).read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 1024
+
+
+def test_read_metric_keeps_last_value_per_step_and_skips_bad_lines(tmp_path):
+    tool = load_tool()
+    steps, values = tool.read_metric(write_run(tmp_path / "run"), "reward/mean")
+    assert steps == list(range(1, 41))
+    assert values[-1] == 2.0
+    with pytest.raises(ValueError, match="'loss'.*keys present: \\['loss', 'reward/mean'\\]"):
+        tool.read_metric(tmp_path / "run" / "metrics.jsonl", "loss")  # all null
+
+
+def test_rolling_mean_matches_a_naive_loop():
+    tool = load_tool()
+    values = [float(v) for v in range(25)]
+    expected = []
+    for i in range(len(values)):
+        start = max(0, i - 9)
+        expected.append(sum(values[start : i + 1]) / (i + 1 - start))
+    assert tool.compute_rolling_mean(values, 10) == pytest.approx(expected)
+
+
+def test_command_line_prints_the_default_output_path(tmp_path):
+    jsonl = write_run(tmp_path / "run")
+    result = subprocess.run([sys.executable, str(TOOL), str(jsonl)], capture_output=True, text=True, check=True)
+    out = Path(result.stdout.strip())
+    assert out == tmp_path / "run" / "reward_mean.png"
+    assert out.read_bytes().startswith(PNG_SIGNATURE)

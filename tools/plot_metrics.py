@@ -1,0 +1,81 @@
+"""Plot one metric of a run: its per-step value and a rolling mean, from metrics.jsonl.
+
+    python tools/plot_metrics.py runs/x/metrics.jsonl [--out reward.png] [--key reward/mean]
+
+Without --out the PNG goes beside the JSONL, named after the key (runs/x/reward_mean.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROLLING_WINDOW_STEPS = 10
+
+
+def read_metric(jsonl_path: str | Path, key: str) -> tuple[list[int], list[float]]:
+    """Return (steps, values) for `key`, sorted by step; null values are skipped.
+
+    A resumed run appends steps it already logged; the latest line for a step wins.
+    """
+    values_by_step: dict[int, float] = {}
+    keys_seen: set[str] = set()
+    for line in Path(jsonl_path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write can leave a partial last line
+        keys_seen.update(row)
+        if row.get(key) is not None:
+            values_by_step[row["step"]] = row[key]
+    if not values_by_step:
+        raise ValueError(f"no values of {key!r} in {jsonl_path}; keys present: {sorted(keys_seen - {'step'})}")
+    steps = sorted(values_by_step)
+    return steps, [values_by_step[step] for step in steps]
+
+
+def compute_rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and up to `window - 1` before it (shorter windows at the start)."""
+    means = []
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1) : i + 1]
+        means.append(sum(recent) / len(recent))
+    return means
+
+
+def plot_metrics(jsonl_path: str | Path, out_path: str | Path, key: str = "reward/mean") -> str:
+    """Write a PNG of `key` per step with its rolling mean; return the PNG's path."""
+    steps, values = read_metric(jsonl_path, key)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, values, alpha=0.35, label=key)
+    ax.plot(steps, compute_rolling_mean(values, ROLLING_WINDOW_STEPS),
+            label=f"rolling mean ({ROLLING_WINDOW_STEPS} steps)")
+    ax.set_title(Path(jsonl_path).resolve().parent.name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return str(out_path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jsonl_path", help="a run's metrics.jsonl")
+    parser.add_argument("--key", default="reward/mean", help="metric to plot (default: reward/mean)")
+    parser.add_argument("--out", help="PNG to write (default: beside the JSONL, named after the key)")
+    args = parser.parse_args()
+    out = args.out or Path(args.jsonl_path).with_name(args.key.replace("/", "_") + ".png")
+    print(plot_metrics(args.jsonl_path, out, key=args.key))
+
+
+if __name__ == "__main__":
+    main()
