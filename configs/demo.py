@@ -1,0 +1,55 @@
+"""The CPU demo: a generated 2-layer Qwen3 learns one-digit addition with GRPO.
+
+`bash launch/demo.sh` generates the model, data and warm start into $MOLT_CACHE_DIR and runs
+`config()`. Variants below change a few fields of it.
+"""
+
+import os
+from pathlib import Path
+
+from molt.config import MoltConfig
+
+HERE = Path(__file__).resolve().parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOLT_CACHE_DIR", Path.home() / ".cache" / "molt"))
+
+
+def config() -> MoltConfig:
+    cfg = MoltConfig(name="demo", seed=0, device="cpu")
+    cfg.model.path = str(cache_dir() / "demo" / "model-warm")
+    cfg.data.train_path = str(cache_dir() / "demo" / "data" / "train.jsonl")
+    cfg.agent.path = str(HERE / "agents" / "addition.py")
+    cfg.agent.rollout_timeout_seconds = 60.0
+    cfg.layout.num_trainer_ranks = 1
+    cfg.layout.num_rollout_ranks = 1
+    cfg.rollout.prompts_per_step = 16
+    cfg.rollout.n_samples_per_prompt = 8
+    cfg.rollout.max_response_tokens = 4
+    cfg.rollout.max_length = 64
+    cfg.rollout.temperature = 1.0
+    cfg.train.num_steps = 200
+    cfg.train.learning_rate = 2e-3
+    cfg.train.max_grad_norm = 1.0
+    cfg.train.max_tokens_per_micro_batch = 4096
+    cfg.refit.bucket_megabytes = 64
+    cfg.refit.check_every_steps = 50
+    return cfg
+
+
+def two_trainers() -> MoltConfig:
+    """2 FSDP2 trainer ranks + 1 rollout rank (3 processes)."""
+    cfg = config()
+    cfg.layout.num_trainer_ranks = 2
+    return cfg
+
+
+def multi_turn() -> MoltConfig:
+    """The two-turn retry Env."""
+    cfg = config()
+    cfg.name = "demo-multi-turn"
+    cfg.agent.path = str(HERE / "agents" / "addition_retry.py")
+    cfg.agent.max_turns = 2
+    cfg.rollout.max_length = 96
+    return cfg

@@ -1,0 +1,236 @@
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from distributed import run_ranks
+from torch.distributed.device_mesh import DeviceMesh
+
+from molt.actor import Actor, build_actor_model, compute_token_logprobs
+from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.experience import Experience
+
+PAD = 0
+CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, intermediate_size=128, vocab_size=64, max_position_embeddings=128,
+        tie_word_embeddings=True, initializer_range=0.1,
+    )
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def make_experiences(seed: int, count: int) -> tuple[list[Experience], list[float]]:
+    rng = random.Random(seed)
+    experiences = []
+    for rollout_id in range(count):
+        num_tokens, prompt = rng.randint(6, 40), rng.randint(1, 5)
+        action_mask = [0] * prompt + [1] * (num_tokens - prompt)
+        experiences.append(Experience(
+            token_ids=[rng.randint(1, 63) for _ in range(num_tokens)],
+            action_mask=action_mask,
+            # Near the tiny model's ~-log(64) so ratios straddle the clip range.
+            behavior_logprobs=[as_float32(-4.2 + rng.gauss(0, 0.3)) if a else 0.0 for a in action_mask],
+            policy_versions=[0 if a else -1 for a in action_mask],
+            reward=0.0, score=0.0, group_id=0, rollout_id=rollout_id,
+        ))
+    return experiences, [as_float32(rng.gauss(0, 1)) for _ in range(count)]
+
+
+def as_float32(value: float) -> float:
+    """Micro-batches hold float32; the naive reference must see the same rounded inputs."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def naive_window_loss(model, experiences, advantages) -> torch.Tensor:
+    """Token-mean PPO-clip over the window, one unpadded sequence and one token at a time."""
+    terms = []
+    for experience, advantage in zip(experiences, advantages):
+        ids = torch.tensor([experience.token_ids])
+        logits = model(input_ids=ids).logits[0].double() / TEMPERATURE
+        for t in range(1, experience.num_tokens):
+            if not experience.action_mask[t]:
+                continue
+            logprob = torch.log_softmax(logits[t - 1], dim=-1)[experience.token_ids[t]]
+            ratio = torch.exp(logprob - experience.behavior_logprobs[t])
+            clipped = ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+            terms.append(-torch.minimum(ratio * advantage, clipped * advantage))
+    return torch.stack(terms).sum() / len(terms)
+
+
+def full_gradients(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
+
+
+def build_rank_micro_batches(experiences, advantages, group, budget) -> list:
+    """What the trainer does per rank: balanced assignment, then the same micro-batch count."""
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    mine = assign_to_ranks(experiences, num_ranks)[rank]
+    my_experiences = [experiences[i] for i in mine]
+    count = torch.tensor(count_micro_batches(my_experiences, max_tokens_per_micro_batch=budget))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return build_micro_batches(
+        my_experiences, [advantages[i] for i in mine], max_tokens_per_micro_batch=budget,
+        pad_token_id=PAD, num_micro_batches=int(count),
+    )
+
+
+def make_actor(model_path, group, dtype, **optimizer) -> Actor:
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = build_actor_model(model_path, mesh=mesh, device=CPU, dtype=dtype)
+    return Actor(model, group=group, device=CPU, temperature=TEMPERATURE, **optimizer)
+
+
+def window_gradients(actor, micro_batches) -> dict[str, torch.Tensor]:
+    actor.compute_window_gradients(micro_batches, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
+    grads = full_gradients(actor.model)
+    actor.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradient_invariance_rank(rank, world_size, model_path, experiences, advantages):
+    single_group = dist.new_group([0])
+    both_group = dist.new_group([0, 1])
+    results = {}
+    if rank == 0:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+        naive_window_loss(reference, experiences, advantages).backward()
+        results["reference"] = full_gradients(reference)
+
+        actor = make_actor(model_path, single_group, torch.float64, lr=1e-3)
+        one = build_micro_batches(
+            experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD
+        )
+        assert len(one) == 1
+        results["1 rank, 1 micro-batch"] = window_gradients(actor, one)
+        thirds = [slice(0, 2), slice(2, 7), slice(7, None)]
+        three = [
+            build_micro_batches(
+                experiences[s], advantages[s], max_tokens_per_micro_batch=10_000, pad_token_id=PAD
+            )[0]
+            for s in thirds
+        ]
+        results["1 rank, 3 micro-batches"] = window_gradients(actor, three)
+
+    actor = make_actor(model_path, both_group, torch.float64, lr=1e-3)
+    micro_batches = build_rank_micro_batches(experiences, advantages, both_group, budget=120)
+    results["2 ranks"] = window_gradients(actor, micro_batches)
+    results["2 ranks, micro-batches"] = len(micro_batches)
+    return results
+
+
+def test_window_gradient_is_invariant_to_micro_batches_and_ranks(model_path):
+    experiences, advantages = make_experiences(seed=0, count=9)
+    results = run_ranks(gradient_invariance_rank, 2, model_path, experiences, advantages)
+    assert results[0]["2 ranks, micro-batches"] >= 2
+    reference = results[0].pop("reference")
+    assert any(g.abs().max() > 0 for g in reference.values())
+    for rank_results in results:
+        for label, grads in rank_results.items():
+            if label.endswith("micro-batches") and isinstance(grads, int):
+                continue
+            assert grads.keys() == reference.keys()
+            for name, grad in grads.items():
+                # fp64 throughout: summation order is the only difference.
+                torch.testing.assert_close(
+                    grad, reference[name], rtol=1e-6, atol=1e-12, msg=lambda m: f"{label}: {name}\n{m}"
+                )
+
+
+def training_rank(rank, world_size, model_path, windows):
+    trainer_group = dist.new_group([0, 1])  # rank 2 plays a rollout rank: in the world, not the mesh
+    if rank == 2:
+        return None
+    optimizer = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, max_grad_norm=0.05)
+    actor = make_actor(model_path, trainer_group, torch.float64, **optimizer)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    reference_optimizer = torch.optim.AdamW(
+        reference.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8
+    )
+    metrics, reference_metrics = [], []
+    for experiences, advantages in windows:
+        micro_batches = build_rank_micro_batches(experiences, advantages, trainer_group, budget=100)
+        metrics.append(actor.train_window(micro_batches, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH))
+
+        loss = naive_window_loss(reference, experiences, advantages)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_metrics.append({"loss": loss.item(), "grad_norm": grad_norm.item()})
+
+    state = {name: tensor.full_tensor() for name, tensor in actor.model.state_dict().items()}
+    probe = build_micro_batches(*windows[0], max_tokens_per_micro_batch=10_000, pad_token_id=PAD)[0]
+    probe_logprobs = actor.compute_logprobs(probe.input_ids, probe.attention_mask)
+    with torch.no_grad():
+        reference_logprobs = compute_token_logprobs(
+            reference, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
+        )
+    return {
+        "metrics": metrics,
+        "reference_metrics": reference_metrics,
+        "state": state,
+        "reference_state": {name: t.detach() for name, t in reference.state_dict().items()},
+        "parameter_names": [name for name, _ in actor.model.named_parameters()],
+        "tied": actor.model.lm_head.weight is actor.model.model.embed_tokens.weight,
+        "probe": (probe_logprobs * probe.attention_mask, reference_logprobs * probe.attention_mask),
+    }
+
+
+def test_fsdp_training_matches_plain_reference(model_path):
+    windows = [make_experiences(seed=seed, count=6) for seed in (1, 2, 3)]
+    results = run_ranks(training_rank, 3, model_path, windows)
+    assert results[2] is None
+    rank0 = results[0]
+    assert rank0["tied"]
+    assert "model.layers.0.self_attn.q_proj.weight" in rank0["parameter_names"]
+    assert "lm_head.weight" in rank0["state"]  # tied: vLLM's load_weights skips it
+    for step, (got, expected) in enumerate(zip(rank0["metrics"], rank0["reference_metrics"])):
+        assert math.isclose(got["loss"], expected["loss"], rel_tol=1e-9), step
+        assert math.isclose(got["grad_norm"], expected["grad_norm"], rel_tol=1e-9), step
+        assert got["grad_norm"] > 0.05, "clipping should be active"
+        assert got["num_action_tokens"] == sum(e.num_action_tokens for e in windows[step][0])
+        assert 0 < got["clip_fraction"] < 1
+    assert rank0["metrics"] == results[1]["metrics"], "every rank logs the same global values"
+    for name, expected in rank0["reference_state"].items():
+        # fp64, so summation order is the only difference. (In fp32, AdamW turns rounding noise in
+        # near-zero gradients into differences of up to ~1% of a step on a few elements.)
+        torch.testing.assert_close(
+            rank0["state"][name], expected, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}\n{m}"
+        )
+    torch.testing.assert_close(*rank0["probe"], rtol=1e-9, atol=1e-9)
+
+
+def test_token_logprobs_match_naive_log_softmax(model_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    lengths = [7, 12, 3]
+    rows = [torch.randint(1, 64, (n,)) for n in lengths]
+    input_ids = torch.full((3, 12), PAD, dtype=torch.long)
+    attention_mask = torch.zeros((3, 12), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+        attention_mask[i, : len(row)] = 1
+    with torch.no_grad():
+        logprobs = compute_token_logprobs(model, input_ids, attention_mask, temperature=0.7)
+        for i, row in enumerate(rows):
+            logits = model(input_ids=row[None]).logits[0] / 0.7
+            expected = [0.0] + [
+                torch.log_softmax(logits[t - 1], -1)[row[t]].item() for t in range(1, len(row))
+            ]
+            expected = torch.tensor(expected, dtype=torch.float64)
+            torch.testing.assert_close(logprobs[i, : len(row)], expected, rtol=1e-9, atol=1e-9)

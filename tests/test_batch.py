@@ -1,0 +1,110 @@
+import random
+
+import pytest
+import torch
+
+from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.experience import Experience
+
+PAD = 0
+
+
+def make_experience(rng: random.Random, num_tokens: int, rollout_id: int) -> Experience:
+    prompt = rng.randint(1, num_tokens - 1) if num_tokens > 1 else 1
+    action_mask = [0] * prompt + [1] * (num_tokens - prompt)
+    return Experience(
+        token_ids=[rng.randint(1, 63) for _ in range(num_tokens)],
+        action_mask=action_mask,
+        behavior_logprobs=[-rng.random() if a else 0.0 for a in action_mask],
+        policy_versions=[0 if a else -1 for a in action_mask],
+        reward=rng.random(),
+        score=0.0,
+        group_id=rollout_id // 4,
+        rollout_id=rollout_id,
+    )
+
+
+def make_experiences(seed: int, count: int, max_tokens: int = 200) -> list[Experience]:
+    rng = random.Random(seed)
+    return [make_experience(rng, rng.randint(2, max_tokens), i) for i in range(count)]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 8])
+def test_assign_to_ranks_balances_tokens(num_ranks):
+    experiences = make_experiences(seed=num_ranks, count=64)
+    assignment = assign_to_ranks(experiences, num_ranks)
+    assert sorted(i for indices in assignment for i in indices) == list(range(64))
+    loads = [sum(experiences[i].num_tokens for i in indices) for indices in assignment]
+    longest = max(e.num_tokens for e in experiences)
+    # Greedy longest-first guarantee: the spread never exceeds one experience.
+    assert max(loads) - min(loads) <= longest
+    # On this random mix it is far tighter: within 5% of the mean load.
+    mean = sum(loads) / num_ranks
+    assert max(loads) - min(loads) <= 0.05 * mean
+
+
+def test_assign_to_ranks_more_ranks_than_experiences():
+    experiences = make_experiences(seed=0, count=2)
+    assignment = assign_to_ranks(experiences, 4)
+    assert sorted(len(indices) for indices in assignment) == [0, 0, 1, 1]
+
+
+def test_micro_batches_respect_budget_and_keep_every_token():
+    experiences = make_experiences(seed=3, count=40) + [make_experience(random.Random(9), 700, 99)]
+    advantages = [float(i) - 20.0 for i in range(len(experiences))]
+    budget = 512
+    micro_batches = build_micro_batches(
+        experiences, advantages, max_tokens_per_micro_batch=budget, pad_token_id=PAD
+    )
+    assert len(micro_batches) == count_micro_batches(experiences, max_tokens_per_micro_batch=budget)
+    seen = []
+    for micro_batch in micro_batches:
+        rows, seq = micro_batch.input_ids.shape
+        assert rows * seq <= budget or rows == 1, "only a lone over-long row may exceed the budget"
+        for row in range(rows):
+            length = int(micro_batch.attention_mask[row].sum())
+            assert micro_batch.attention_mask[row, :length].all(), "right padding"
+            assert (micro_batch.input_ids[row, length:] == PAD).all()
+            seen.append(
+                (
+                    micro_batch.input_ids[row, :length].tolist(),
+                    micro_batch.action_mask[row, :length].tolist(),
+                    micro_batch.behavior_logprobs[row, :length].tolist(),
+                    micro_batch.advantages[row, :length].tolist(),
+                )
+            )
+            assert micro_batch.action_mask[row, length:].sum() == 0
+    expected = [
+        (
+            e.token_ids,
+            [float(a) for a in e.action_mask],
+            torch.tensor(e.behavior_logprobs, dtype=torch.float32).tolist(),
+            [advantage * a for a in e.action_mask],
+        )
+        for e, advantage in zip(experiences, advantages)
+    ]
+    assert sorted(seen) == sorted(expected)
+    assert sum(m.num_action_tokens for m in micro_batches) == sum(e.num_action_tokens for e in experiences)
+
+
+def test_micro_batches_padded_to_requested_count():
+    experiences = make_experiences(seed=4, count=5, max_tokens=30)
+    needed = count_micro_batches(experiences, max_tokens_per_micro_batch=64)
+    micro_batches = build_micro_batches(
+        experiences, [1.0] * 5, max_tokens_per_micro_batch=64, pad_token_id=PAD,
+        num_micro_batches=needed + 2,
+    )
+    assert len(micro_batches) == needed + 2
+    for filler in micro_batches[needed:]:
+        assert filler.input_ids.shape == (1, 1)
+        assert filler.num_action_tokens == 0
+        assert filler.attention_mask.sum() == 1
+    only_fillers = build_micro_batches(
+        [], [], max_tokens_per_micro_batch=64, pad_token_id=PAD, num_micro_batches=2
+    )
+    assert [m.input_ids.shape for m in only_fillers] == [(1, 1), (1, 1)]
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        build_micro_batches(
+            experiences, [1.0] * 5, max_tokens_per_micro_batch=64, pad_token_id=PAD,
+            num_micro_batches=needed - 1,
+        )
