@@ -25,12 +25,12 @@ def config() -> MoltConfig:
     cfg.layout.num_trainer_ranks = 1
     cfg.layout.num_rollout_ranks = 1
     cfg.rollout.prompts_per_step = 16
-    cfg.rollout.n_samples_per_prompt = 8
+    cfg.rollout.n_samples_per_prompt = 16
     cfg.rollout.max_response_tokens = 4
     cfg.rollout.max_length = 64
     cfg.rollout.temperature = 1.0
-    cfg.train.num_steps = 200
-    cfg.train.learning_rate = 2e-3
+    cfg.train.num_steps = 400
+    cfg.train.learning_rate = 1e-3
     cfg.train.max_grad_norm = 1.0
     cfg.train.max_tokens_per_micro_batch = 4096
     cfg.refit.bucket_megabytes = 64

@@ -7,6 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh"
 cd "$ROOT"
 DEMO="$MOLT_CACHE_DIR/demo"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 2-core boxes: oversubscribed threads run 10x slower
 OUT="${MOLT_OUTPUT_DIR:-runs/demo}"
 mkdir -p "$DEMO"
 
@@ -16,9 +17,12 @@ fi
 if [ ! -f "$DEMO/data/train.jsonl" ]; then
   "$PYTHON" tools/make_demo_data.py "$DEMO/data" --seed 0
 fi
-if [ ! -f "$DEMO/model-warm/config.json" ]; then
-  echo "[demo] supervised warm start"
-  "$PYTHON" tools/warm_start.py --model "$DEMO/model" --data "$DEMO/data/train.jsonl" --out "$DEMO/model-warm"
+# Redone when its settings change (they are recorded in warm_start.json).
+WARM_STEPS=160
+if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-warm/warm_start.json"; then
+  echo "[demo] supervised warm start ($WARM_STEPS steps)"
+  "$PYTHON" tools/warm_start.py --model "$DEMO/model" --data "$DEMO/data/train.jsonl" --out "$DEMO/model-warm" \
+    --steps "$WARM_STEPS"
 fi
 
 echo "[demo] training; metrics -> $OUT/metrics.jsonl"

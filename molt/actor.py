@@ -194,9 +194,13 @@ class Actor:
     def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[batch, seq] token log-probs under the current weights (collective over the group)."""
         self.model.eval()
-        return compute_token_logprobs(
+        logprobs = compute_token_logprobs(
             self.model,
             input_ids.to(self.device),
             attention_mask.to(self.device),
             temperature=self.temperature,
         )
+        # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
+        # later forward would then reuse them even after the optimizer changed the shards.
+        self.model.reshard()
+        return logprobs

@@ -333,4 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, so recipes and this code share one MoltConfig class.
+    from molt.config import main as imported_main
+
+    sys.exit(imported_main())

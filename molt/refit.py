@@ -80,6 +80,7 @@ class RefitSender:
         entries = [BucketEntry(name, str(p.dtype).removeprefix("torch."), tuple(p.shape)) for name, p in params.items()]
         self.buckets = plan_buckets(entries, bucket_bytes)
         self._params = params
+        self._buffers: dict[str, torch.Tensor] = {}
 
     @property
     def wire_plan(self) -> list[list[list]]:
@@ -104,12 +105,26 @@ class RefitSender:
             tensors = [_full_tensor(self._params[entry.name]) for entry in bucket]
             if not self.is_sender:
                 continue
-            flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+            flat = self._flat_buffer(bucket)
+            torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self.group.broadcast([flat], options).wait()
             sent += flat.numel() * flat.element_size()
         return sent
+
+    def _flat_buffer(self, bucket: list[BucketEntry]) -> torch.Tensor:
+        """A view of one reused buffer per dtype: fresh multi-MB buffers every refit would run
+        at first-touch memory speed (the allocator returns large blocks to the OS)."""
+        dtype = bucket[0].dtype
+        numel = sum(e.num_bytes for e in bucket) // getattr(torch, dtype).itemsize
+        buffer = self._buffers.get(dtype)
+        if buffer is None:
+            largest = max(sum(e.num_bytes for e in b) for b in self.buckets if b[0].dtype == dtype)
+            device = next(iter(self._params.values())).device
+            buffer = self._buffers[dtype] = torch.empty(largest // getattr(torch, dtype).itemsize,
+                                                        dtype=getattr(torch, dtype), device=device)
+        return buffer[:numel]
 
 
 def _full_tensor(param: torch.Tensor) -> torch.Tensor:

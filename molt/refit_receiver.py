@@ -22,15 +22,19 @@ class RefitReceiver:
                               timeout_seconds: float, plan: list[list[list]]) -> None:
         from molt.refit import make_refit_group
 
+        # Every in-place reload warns that the rotary cache and a tied lm_head got no checkpoint
+        # tensor; both are expected here (the lm_head is re-tied below).
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._molt_group = make_refit_group(host, port, rank, world_size, timeout_seconds, is_server=False)
         self._molt_plan = plan  # buckets of [name, dtype, shape]
+        # Receive buffers allocated once: reused every refit (vLLM copies out of them on reload).
+        self._molt_buffers = [torch.empty(sum(_numel(shape) for _, _, shape in bucket), dtype=getattr(torch, bucket[0][1]))
+                              for bucket in plan]
 
     def molt_receive_weights(self) -> None:
         weights: list[tuple[str, torch.Tensor]] = []
-        for bucket in self._molt_plan:
-            dtype = getattr(torch, bucket[0][1])
+        for bucket, flat in zip(self._molt_plan, self._molt_buffers):
             numels = [_numel(shape) for _, _, shape in bucket]
-            flat = torch.empty(sum(numels), dtype=dtype)
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self._molt_group.broadcast([flat], options).wait()
@@ -56,6 +60,7 @@ class RefitReceiver:
     def molt_leave_refit_group(self) -> None:
         self._molt_group = None
         self._molt_plan = None
+        self._molt_buffers = None
 
 
 def _numel(shape: list[int]) -> int:

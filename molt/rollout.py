@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import traceback
 
 import zmq
@@ -42,6 +43,7 @@ def decode_request(message: dict) -> RolloutRequest:
 
 
 def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: str) -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
     asyncio.run(RolloutService(cfg, rank, controller_address).serve())
 
 

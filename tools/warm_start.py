@@ -62,6 +62,9 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
+    settings = {"base_model": str(model_dir), "data": str(data_path), "steps": steps, "batch_size": batch_size,
+                "learning_rate": learning_rate, "seed": seed}
+    (staging / "warm_start.json").write_text(json.dumps(settings, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return {"steps": steps, "final_loss": loss_value, "seconds": seconds, "out": str(out_dir)}
@@ -72,9 +75,9 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory to start from")
     parser.add_argument("--data", required=True, help="chat-format JSONL with messages and label")
     parser.add_argument("--out", required=True, help="output model directory")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     summary = warm_start(args.model, args.data, args.out, steps=args.steps, batch_size=args.batch_size,

@@ -56,7 +56,7 @@ class RolloutOutcome:
     rollout_id: int
     group_id: int
     experiences: list[Experience]
-    failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation'
+    failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation' | 'prompt_too_long'
     error: str = ""  # the exception text of a failure, for the log
 
     def __post_init__(self) -> None:

@@ -44,6 +44,9 @@ class StepEnvRunner(AgentRunnerBase):
         prompt_text = tokenizer.apply_chat_template(
             request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
         trace.add_context(tokenizer.encode(prompt_text, add_special_tokens=False))
+        if len(trace.token_ids) >= request.max_length:
+            raise PromptTooLong(f"the prompt has {len(trace.token_ids)} tokens; rollout.max_length is "
+                                f"{request.max_length}: raise it or shorten the prompt")
         env = self.env_class()
         total_reward, total_score, info = 0.0, 0.0, {}
         observation_text, truncated = prompt_text, False
@@ -69,8 +72,12 @@ class StepEnvRunner(AgentRunnerBase):
             if result.terminated or result.truncated:
                 break
             context_text = self._render_observation(tokenizer, result.observation)
+            context_ids = tokenizer.encode(context_text, add_special_tokens=False)
+            if len(trace.token_ids) + len(context_ids) >= request.max_length:
+                truncated = True  # no room left for the observation and another response
+                break
             observation_text += tokenizer.decode(generation.token_ids, skip_special_tokens=False) + context_text
-            trace.add_context(tokenizer.encode(context_text, add_special_tokens=False))
+            trace.add_context(context_ids)
         else:
             truncated = True  # ran out of turns without the Env terminating
         experience = Experience(
@@ -102,6 +109,10 @@ class StepEnvRunner(AgentRunnerBase):
 
 class _BadResult(TypeError):
     """An Env returned something other than a Result."""
+
+
+class PromptTooLong(ValueError):
+    """The rendered prompt leaves no room for a response within max_length."""
 
 
 class _Trace:
@@ -140,6 +151,8 @@ async def run_with_timeout(runner: AgentRunnerBase, request: RolloutRequest, sam
         return failed("timeout", f"rollout exceeded agent.rollout_timeout_seconds={timeout_seconds}")
     except _BadResult as error:
         return failed("bad_result", error)
+    except PromptTooLong as error:
+        return failed("prompt_too_long", error)
     except Exception as error:  # user code: any exception fails this rollout only
         logger.debug("rollout %d failed", request.rollout_id, exc_info=True)
         return failed("agent_error", f"{type(error).__name__}: {error}")

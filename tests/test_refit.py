@@ -1,0 +1,118 @@
+"""Refit: the bucket plan, and weights broadcast from 2 FSDP2 trainer ranks into a real vLLM engine."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from molt.refit import BucketEntry, RefitSender, find_free_port, plan_buckets
+
+NUM_REFITS = 3
+PROBE = list(range(3, 45))
+
+
+def test_plan_buckets_keeps_order_dtype_and_budget():
+    entries = [BucketEntry("a", "float32", (10,)), BucketEntry("b", "float32", (10,)),
+               BucketEntry("c", "bfloat16", (4,)), BucketEntry("d", "float32", (100,)),
+               BucketEntry("e", "float32", (5,)), BucketEntry("f", "float32", (5,))]
+    buckets = plan_buckets(entries, bucket_bytes=80)
+    assert [[e.name for e in b] for b in buckets] == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert [e for b in buckets for e in b] == entries
+    for bucket in buckets:
+        assert len({e.dtype for e in bucket}) == 1
+        assert len(bucket) == 1 or sum(e.num_bytes for e in bucket) <= 80
+
+
+def test_plan_is_O_buckets_for_a_real_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sender = RefitSender(model, is_sender=True, bucket_bytes=1 << 20, timeout_seconds=10)
+    num_params = len(list(model.parameters()))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(sender.buckets) == -(-total // (1 << 20))  # ceil: one dtype, no parameter above 1 MiB
+    assert len(sender.buckets) < num_params
+    assert sorted(e[0] for b in sender.wire_plan for e in b) == sorted(n for n, _ in model.named_parameters())
+
+
+def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_refits: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from molt.actor import build_actor_model, compute_token_logprobs
+
+    group = dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), dtype=torch.float32)
+    shards = list(model.parameters())
+    sender = RefitSender(model, is_sender=rank == 0, bucket_bytes=256 << 10, timeout_seconds=60)
+    if rank == 0:
+        sender.open_group("127.0.0.1", port, 2)
+    probes = []
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(num_refits):
+        with torch.no_grad():  # each rank changes its own shard: the gathered weights are new
+            for param in shards:
+                local = param.to_local()
+                local.add_(torch.randn(local.shape, generator=generator) * 0.02)
+        sender.broadcast()
+        ids = torch.tensor([PROBE])
+        with torch.no_grad():
+            probes.append(compute_token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0].tolist())
+        model.reshard()  # FSDP2 leaves the root gathered after a forward without backward
+    return {"probes": probes, "num_buckets": len(sender.buckets)}
+
+
+def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_model_dir):
+    port = find_free_port("127.0.0.1")
+    from transformers import AutoModelForCausalLM
+
+    plan_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plan = RefitSender(plan_model, is_sender=False, bucket_bytes=256 << 10, timeout_seconds=60).wire_plan
+    results: dict = {}
+
+    def trainers():
+        try:
+            results["ranks"] = run_ranks(_trainer_rank, 2, str(tiny_model_dir), port, NUM_REFITS,
+                                         timeout_seconds=240)
+        except BaseException as error:  # surfaced below
+            results["error"] = error
+
+    before = engine.run(engine.engine.score(PROBE))
+    thread = threading.Thread(target=trainers)
+    thread.start()
+    engine.run(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
+                                              timeout_seconds=60, plan=plan), timeout_seconds=240)
+    engine_probes = []
+    for version in range(1, NUM_REFITS + 1):
+        engine.run(engine.engine.receive_weights(version), timeout_seconds=120)
+        engine_probes.append(engine.run(engine.engine.score(PROBE)))
+    thread.join(240)
+    if "error" in results:
+        raise results["error"]
+    trainer_probes = results["ranks"][0]["probes"]
+    assert results["ranks"][0]["num_buckets"] > 1  # the test exercises several buckets
+    assert engine.engine.policy_version == NUM_REFITS
+    first_gap = max(abs(a - b) for a, b in zip(before[1:], trainer_probes[0][1:]))
+    assert first_gap > 1e-2, "the perturbation must be visible, or this test could not fail"
+    for engine_logprobs, trainer_logprobs in zip(engine_probes, trainer_probes):
+        gap = max(abs(a - b) for a, b in zip(engine_logprobs[1:], trainer_logprobs[1:]))
+        assert gap <= 1e-4
+    _restore_engine_weights(engine, tiny_model_dir, plan)
+
+
+def _restore_engine_weights(engine, model_dir, plan) -> None:
+    """Put the original weights back for the other tests sharing this engine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    sender = RefitSender(model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=60)
+    port = find_free_port("127.0.0.1")
+    joined = engine.submit(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
+                                                          timeout_seconds=60, plan=sender.wire_plan))
+    sender.open_group("127.0.0.1", port, 2)
+    joined.result(60)
+    received = engine.submit(engine.engine.receive_weights(0))
+    sender.broadcast()
+    received.result(60)
