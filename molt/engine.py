@@ -112,4 +112,8 @@ class RolloutEngine:
         await self.llm.collective_rpc("molt_leave_refit_group")
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            # Drop the last reference now: vLLM's __del__ shuts down again, and at interpreter
+            # exit (modules half torn down) that second shutdown raises.
+            self.llm = None

@@ -60,8 +60,8 @@ class RolloutService:
 
     async def serve(self) -> None:
         try:
+            self.runner = load_agent_runner(self.cfg.agent.path)  # first: it fails fast
             self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
-            self.runner = load_agent_runner(self.cfg.agent.path)
         except Exception as error:
             await self.send({"type": "failed", "rank": self.rank, "error": f"{type(error).__name__}: {error}"})
             raise

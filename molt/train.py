@@ -70,16 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     configure_logging(rank)
+    launched = "MASTER_ADDR" in os.environ
     try:
         cfg = load_config(args.config, args.set)
-        validate_config(cfg, world_size=None if args.dry_run else world_size)
+        validate_config(cfg, world_size=world_size if launched and not args.dry_run else None)
     except ConfigError as error:
         logger.error("%s", error)
         return 2
     if args.dry_run:
         sys.stdout.write(describe_layout(cfg) + "\n")
         return 0
-    if "MASTER_ADDR" not in os.environ:
+    if not launched:
         logger.error("molt.train must run under torchrun (or srun); e.g. "
                      "torchrun --nproc_per_node=%d -m molt.train --config %s", cfg.world_size, args.config)
         return 2

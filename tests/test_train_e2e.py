@@ -1,0 +1,92 @@
+"""End to end: real torchrun jobs running molt.train with the real vLLM CPU engine."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo.py")
+
+
+def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "molt.train", "--config", config]
+    for item in sets:
+        args += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout_seconds, cwd=ROOT, env=env)
+
+
+def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
+    sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
+            "metrics.output_dir": output_dir, "train.num_steps": 3, "rollout.prompts_per_step": 4,
+            "rollout.n_samples_per_prompt": 4, "refit.check_every_steps": 3, **fields}
+    return [f"{key}={value}" for key, value in sets.items()]
+
+
+def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir, demo_data_dir):
+    out = tmp_path / "run"
+    done = _torchrun(3, f"{DEMO}:two_trainers", _job_sets(tiny_model_dir, demo_data_dir, out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for row in steps:
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "time/step_seconds", "time/rollout",
+                    "time/train", "time/refit", "throughput/tokens_per_second"):
+            assert row[key] is not None and math.isfinite(row[key]), (key, row)
+        assert row["rollout/num_rollouts"] == 16
+        assert row["train/num_action_tokens"] > 0
+    # The refit check ran before training (step 0) and after step 3; weights changed in between.
+    checks = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
+    assert len(checks) == 2 and all(gap <= 1e-4 for gap in checks), checks
+    assert json.loads((out / "config.json").read_text())["layout"]["num_trainer_ranks"] == 2
+
+
+def test_multi_turn_env_recipe_runs(tmp_path, tiny_model_dir, demo_data_dir):
+    out = tmp_path / "run"
+    done = _torchrun(2, f"{DEMO}:multi_turn", _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "train.num_steps": 2, "refit.check_every_steps": 0}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["reward/mean"]) for r in rows)
+
+
+@pytest.mark.parametrize("nproc, extra, expected", [
+    (3, {}, "but the job has 3 ranks"),
+    (2, {"train.learnng_rate": "1"}, "did you mean 'train.learning_rate'"),
+    (2, {"agent.path": "no/such/agent.py"}, "agent.path='no/such/agent.py' is not a file"),
+])
+def test_bad_input_stops_the_job_at_start_up(tmp_path, tiny_model_dir, demo_data_dir, nproc, extra, expected):
+    done = _torchrun(nproc, DEMO, _job_sets(tiny_model_dir, demo_data_dir, tmp_path / "run", **extra),
+                     timeout_seconds=120)
+    assert done.returncode != 0
+    assert expected in done.stderr
+
+
+def test_an_agent_file_without_agent_runner_stops_the_job(tmp_path, tiny_model_dir, demo_data_dir):
+    agent = tmp_path / "agent.py"
+    agent.write_text("class NotARunner:\n    pass\n")
+    sets = _job_sets(tiny_model_dir, demo_data_dir, tmp_path / "run", **{"agent.path": agent})
+    done = _torchrun(2, DEMO, sets, timeout_seconds=300)
+    assert done.returncode != 0
+    assert "defines no AgentRunner" in done.stderr
+
+
+def test_a_model_vllm_cannot_load_stops_the_job_naming_it(tmp_path, tiny_model_dir, demo_data_dir):
+    broken = tmp_path / "broken-model"  # transformers loads it (by model_type); vLLM refuses the architecture
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    sets = _job_sets(tiny_model_dir, demo_data_dir, tmp_path / "run")
+    done = _torchrun(2, DEMO, sets + [f"model.path={broken}"], timeout_seconds=300)
+    assert done.returncode != 0
+    assert f"model.path={str(broken)!r}" in done.stderr
