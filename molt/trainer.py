@@ -60,6 +60,8 @@ class Trainer:
 
     def train(self) -> None:
         self.connect_engines()
+        if self.cfg.refit.check_every_steps:  # engines and trainer start from the same weights
+            self.metrics.log(0, self.check_refit())
         for step in range(1, self.cfg.train.num_steps + 1):
             started = time.perf_counter()
             with self.timer.stage("rollout"):
@@ -97,8 +99,6 @@ class Trainer:
         self.refit.open_group(self.host, port, world_size)
         self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
         logger.info("engines ready; refit group of %d ranks, %d buckets", world_size, len(self.refit.buckets))
-        if self.cfg.refit.check_every_steps:
-            self.metrics.log(0, self.check_refit())
 
     def shutdown(self) -> None:
         if self.is_controller:

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
+VARIED_REWARD_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
 
 
 def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420) -> subprocess.CompletedProcess:
@@ -32,7 +33,9 @@ def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
 
 def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir, demo_data_dir):
     out = tmp_path / "run"
-    done = _torchrun(3, f"{DEMO}:two_trainers", _job_sets(tiny_model_dir, demo_data_dir, out))
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{"agent.path": VARIED_REWARD_AGENT,
+                                                              "train.learning_rate": 1e-3})
+    done = _torchrun(3, f"{DEMO}:two_trainers", sets)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
@@ -42,7 +45,7 @@ def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir,
                     "time/train", "time/refit", "throughput/tokens_per_second"):
             assert row[key] is not None and math.isfinite(row[key]), (key, row)
         assert row["rollout/num_rollouts"] == 16
-        assert row["train/num_action_tokens"] > 0
+        assert row["train/num_action_tokens"] > 0 and row["train/grad_norm"] > 0
     # The refit check ran before training (step 0) and after step 3; weights changed in between.
     checks = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
     assert len(checks) == 2 and all(gap <= 1e-4 for gap in checks), checks
