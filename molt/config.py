@@ -62,6 +62,8 @@ class AgentConfig:
     """Wall-clock limit of one rollout; past it the rollout fails with reason 'timeout'."""
     max_concurrent_rollouts: int = 256
     """Rollouts one rollout rank runs at a time."""
+    endpoint_host: str = "127.0.0.1"
+    """Interface the ChatAgent session endpoint binds to (loopback: agents run on the same node)."""
 
 
 @dataclass(kw_only=True)

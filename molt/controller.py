@@ -34,6 +34,7 @@ class StepRollouts:
     failures: Counter = field(default_factory=Counter)  # failed rollouts by reason
     dropped_groups: int = 0
     num_rollouts: int = 0
+    ledger: Counter = field(default_factory=Counter)  # ChatAgent turns by how they joined a segment
 
 
 class RolloutController:
@@ -117,9 +118,10 @@ class RolloutController:
 
     def _gather_groups(self, outcomes, group_sizes: dict[int, int]) -> StepRollouts:
         by_group = defaultdict(list)
+        result = StepRollouts(groups=[], num_rollouts=len(outcomes))
         for outcome in outcomes:
             by_group[outcome.group_id].append(outcome)
-        result = StepRollouts(groups=[], num_rollouts=len(outcomes))
+            result.ledger.update(outcome.ledger)
         for group_id in group_sizes:
             members = by_group[group_id]
             failed = [o for o in members if o.failure]

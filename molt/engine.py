@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
 import logging
 import os
 from dataclasses import dataclass
@@ -23,6 +24,17 @@ class Generation:
     logprobs: list[float]  # [response_tokens] log-prob of each sampled token at the sampling temperature
     policy_version: int  # weight version that sampled every token of this call
     finish_reason: str  # 'stop' | 'length' | 'abort'
+
+
+@dataclass(kw_only=True)
+class GenerationDelta:
+    """What one engine step added to a streamed generation."""
+
+    token_ids: list[int]  # [new_tokens]
+    logprobs: list[float]  # [new_tokens]
+    text: str  # detokenized text of the new tokens
+    policy_version: int
+    finish_reason: str | None  # set on the last delta: 'stop' | 'length' | 'abort'
 
 
 class EngineStartError(RuntimeError):
@@ -87,6 +99,27 @@ class RolloutEngine:
         logprobs = [float(step[token].logprob) for token, step in zip(sampled, completion.logprobs)]
         return Generation(token_ids=sampled, logprobs=logprobs, policy_version=version,
                           finish_reason=completion.finish_reason or "abort")
+
+    async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
+                     seed: int | None = None) -> AsyncIterator[GenerationDelta]:
+        """Generate, yielding what each engine step added. Closing the iterator early (e.g. the
+        HTTP client went away) aborts the engine request."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, logprobs=0, stop=stop, seed=seed,
+                                    output_kind=RequestOutputKind.DELTA)
+        version = self.policy_version
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                              request_id=f"molt-stream-{next(self._request_ids)}"):
+            completion = output.outputs[0]
+            sampled = list(completion.token_ids)
+            yield GenerationDelta(
+                token_ids=sampled, logprobs=[float(step[token].logprob) for token, step in zip(sampled, completion.logprobs or [])],
+                text=completion.text, policy_version=version,
+                finish_reason=completion.finish_reason if output.finished else None)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given its prefix at temperature 1 (first entry 0): the refit check."""

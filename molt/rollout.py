@@ -10,13 +10,16 @@ import asyncio
 import logging
 import os
 import traceback
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from molt.agents.base import RolloutOutcome, RolloutRequest, SamplingParams, load_agent_runner
+from molt.agents.chat import ChatAgentRunner
 from molt.agents.env import run_with_timeout
 from molt.config import MoltConfig
+from molt.endpoint.server import SessionEndpoint
 from molt.engine import RolloutEngine
 from molt.experience import Experience
 from molt.wire import connect_dealer, pack, unpack
@@ -26,13 +29,13 @@ logger = logging.getLogger("molt")
 
 def encode_outcome(outcome: RolloutOutcome) -> dict:
     return {"type": "outcome", "rollout_id": outcome.rollout_id, "group_id": outcome.group_id,
-            "failure": outcome.failure, "error": outcome.error,
+            "failure": outcome.failure, "error": outcome.error, "ledger": outcome.ledger,
             "experiences": [e.to_dict() for e in outcome.experiences]}
 
 
 def decode_outcome(message: dict) -> RolloutOutcome:
     return RolloutOutcome(rollout_id=message["rollout_id"], group_id=message["group_id"],
-                          failure=message["failure"], error=message["error"],
+                          failure=message["failure"], error=message["error"], ledger=message["ledger"],
                           experiences=[Experience.from_dict(e) for e in message["experiences"]])
 
 
@@ -62,6 +65,13 @@ class RolloutService:
         try:
             self.runner = load_agent_runner(self.cfg.agent.path)  # first: it fails fast
             self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
+            self.endpoint = None
+            if isinstance(self.runner, ChatAgentRunner):
+                self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
+                                                model_name=Path(self.cfg.model.path).name,
+                                                host=self.cfg.agent.endpoint_host)
+                await self.endpoint.start()
+                self.runner.endpoint = self.endpoint
         except Exception as error:
             await self.send({"type": "failed", "rank": self.rank, "error": f"{type(error).__name__}: {error}"})
             raise
@@ -83,6 +93,8 @@ class RolloutService:
         finally:
             for task in self.tasks:
                 task.cancel()
+            if self.endpoint is not None:
+                await self.endpoint.stop()
             self.engine.shutdown()
             self.socket.close(0)
 

@@ -195,6 +195,8 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
         "rollout/truncated_share": statistics.fmean(e.truncated for e in experiences) if experiences else math.nan,
     }
     metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in rollouts.failures.items()})
+    metrics.update({f"drift/{reason}": float(n) for reason, n in rollouts.ledger.items()})
+    metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
     infos: dict[str, list[float]] = {}
     for e in experiences:
         for key, value in e.info.items():

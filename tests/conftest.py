@@ -66,3 +66,35 @@ def engine(tiny_model_dir) -> EngineThread:
     thread = EngineThread(tiny_model_dir)
     yield thread
     thread.close()
+
+
+class EndpointThread:
+    """The session endpoint on the shared engine's loop; sessions are opened from test threads."""
+
+    def __init__(self, engine: EngineThread):
+        from molt.endpoint.server import SessionEndpoint
+
+        self.engine_thread = engine
+        self.endpoint = SessionEndpoint(engine.engine, engine.engine.tokenizer, model_name="molt-tiny")
+
+        async def start():
+            await self.endpoint.start()
+
+        engine.run(start())
+
+    def open_session(self, *, max_tokens: int = 16, temperature: float = 1.0, max_length: int = 256):
+        from molt.agents.base import SamplingParams
+
+        return self.endpoint.open_session(sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature),
+                                          max_length=max_length)
+
+    def close_session(self, session) -> None:
+        self.endpoint.close_session(session)
+
+
+@pytest.fixture(scope="session")
+def endpoint(engine) -> EndpointThread:
+    """A real session endpoint (aiohttp on loopback) over the shared real engine."""
+    thread = EndpointThread(engine)
+    yield thread
+    engine.run(thread.endpoint.stop())

@@ -58,11 +58,16 @@ class RolloutOutcome:
     experiences: list[Experience]
     failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation' | 'prompt_too_long'
     error: str = ""  # the exception text of a failure, for the log
+    ledger: dict[str, int] = field(default_factory=dict)  # ChatAgent path: turns by how they joined a segment
 
     def __post_init__(self) -> None:
         for experience in self.experiences:
             if not math.isfinite(experience.reward):
                 self.failure, self.error = "bad_result", f"non-finite reward {experience.reward}"
+
+
+class BadResult(TypeError):
+    """An agent returned something other than a Result."""
 
 
 class Generation(Protocol):

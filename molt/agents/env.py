@@ -6,7 +6,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from molt.agents.base import AgentRunnerBase, Result, RolloutOutcome, RolloutRequest, Sampler, SamplingParams
+from molt.agents.base import (AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, Sampler,
+                              SamplingParams)
 from molt.experience import Experience
 
 logger = logging.getLogger("molt")
@@ -63,7 +64,7 @@ class StepEnvRunner(AgentRunnerBase):
             result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
                                               label=request.label, turn=turn, sampling_params=sampling))
             if not isinstance(result, Result):
-                raise _BadResult(f"{self.env_class.__name__}.step returned {type(result).__name__}, "
+                raise BadResult(f"{self.env_class.__name__}.step returned {type(result).__name__}, "
                                  f"not molt.agents.Result; return Result(reward=...)")
             total_reward += float(result.reward)
             total_score += float(result.reward if result.score is None else result.score)
@@ -107,10 +108,6 @@ class StepEnvRunner(AgentRunnerBase):
         return head + observation + rest
 
 
-class _BadResult(TypeError):
-    """An Env returned something other than a Result."""
-
-
 class PromptTooLong(ValueError):
     """The rendered prompt leaves no room for a response within max_length."""
 
@@ -149,7 +146,7 @@ async def run_with_timeout(runner: AgentRunnerBase, request: RolloutRequest, sam
         outcome = await asyncio.wait_for(runner.run(request, sampler, tokenizer), timeout_seconds)
     except asyncio.TimeoutError:
         return failed("timeout", f"rollout exceeded agent.rollout_timeout_seconds={timeout_seconds}")
-    except _BadResult as error:
+    except BadResult as error:
         return failed("bad_result", error)
     except PromptTooLong as error:
         return failed("prompt_too_long", error)

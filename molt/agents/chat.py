@@ -1,0 +1,85 @@
+"""The ChatAgent path: the user's agent drives its own loop through the OpenAI or Anthropic SDK
+against a per-session endpoint, and Molt records what the policy sampled (DESIGN sections 3, 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from molt.agents.base import AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, SamplingParams
+from molt.experience import Experience
+
+
+@dataclass(kw_only=True)
+class ChatContext:
+    """What a ChatAgent gets for one rollout."""
+
+    base_url: str  # session root + /v1: pass to the OpenAI SDK
+    session_url: str  # session root: pass to the Anthropic SDK (it appends /v1/messages)
+    api_key: str  # this session's secret
+    model_name: str
+    messages: list[dict]  # the prompt row's chat messages
+    prompt: str  # text of the last user turn
+    label: str
+    tools: list[dict] | None
+    images: list | None
+    sampling_params: SamplingParams
+    max_length: int  # longest token sequence of one segment
+    session_id: str
+
+
+class ChatAgent:
+    """Subclass and implement `run`; a fresh instance is made for every rollout.
+
+    Use the SDKs' async clients (AsyncOpenAI, AsyncAnthropic): the agent runs on the same event
+    loop as the endpoint, so a blocking call would stall every rollout of the rank."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+class ChatAgentRunner(AgentRunnerBase):
+    """Opens a session per rollout, runs the agent, and turns the session's segments into experiences."""
+
+    def __init__(self, agent_class: type[ChatAgent]):
+        if not (isinstance(agent_class, type) and issubclass(agent_class, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_class!r}")
+        self.agent_class = agent_class
+        self.endpoint = None  # the rank's SessionEndpoint, attached by the rollout service
+
+    async def run(self, request: RolloutRequest, sampler, tokenizer) -> RolloutOutcome:
+        if self.endpoint is None:
+            raise RuntimeError("ChatAgentRunner has no session endpoint attached")
+        session = self.endpoint.open_session(sampling=request.sampling, max_length=request.max_length)
+        try:
+            ctx = ChatContext(base_url=session.base_url, session_url=session.session_url, api_key=session.api_key,
+                              model_name=session.model_name, messages=request.messages,
+                              prompt=_last_user_text(request.messages), label=request.label, tools=request.tools,
+                              images=None, sampling_params=request.sampling, max_length=request.max_length,
+                              session_id=session.session_id)
+            result = await self.agent_class().run(ctx)
+        finally:
+            self.endpoint.close_session(session)
+        if not isinstance(result, Result):
+            raise BadResult(f"{self.agent_class.__name__}.run returned {type(result).__name__}, "
+                            f"not molt.agents.Result; return Result(reward=...)")
+        score = float(result.reward if result.score is None else result.score)
+        info = {k: float(v) for k, v in result.info.items()}
+        experiences = [
+            Experience(token_ids=segment.token_ids, action_mask=segment.action_mask,
+                       behavior_logprobs=segment.logprobs, policy_versions=segment.versions,
+                       reward=float(result.reward), score=score, group_id=request.group_id,
+                       rollout_id=request.rollout_id, segment_index=index,
+                       truncated=segment.truncated or result.truncated, info=info)
+            for index, segment in enumerate(session.all_segments())]
+        return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=experiences,
+                              ledger=dict(session.ledger.counts))
+
+
+def _last_user_text(messages: list[dict]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content or ""
+    return ""

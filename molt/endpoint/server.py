@@ -1,0 +1,133 @@
+"""The session endpoint: an HTTP server on each rollout rank that agents reach with the official
+OpenAI or Anthropic SDK (DESIGN section 4).
+
+Routes live under `/s/<session_id>`: `POST /v1/chat/completions` (OpenAI), `POST /v1/messages`
+(Anthropic), `GET /v1/models`; plus `GET /health`. Every session has its own key (Bearer token
+or `x-api-key`), compared in constant time; an unknown, ended or wrong key gets 401. Bodies over
+the cap get 413 before they are parsed. There are no control routes on this listener.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+
+from aiohttp import web
+
+from molt.agents.base import SamplingParams
+from molt.endpoint.session import Session
+
+logger = logging.getLogger("molt")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                             status=status)
+
+
+def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    kinds = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
+    return web.json_response({"type": "error", "error": {"type": kinds.get(status, kind), "message": message}},
+                             status=status)
+
+
+def _error_for(request: web.Request, status: int, message: str) -> web.Response:
+    """The error shape of the API the path belongs to."""
+    if request.path.endswith("/v1/messages"):
+        return anthropic_error(status, message)
+    kinds = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+    return openai_error(status, message, kinds.get(status, "invalid_request_error"))
+
+
+class SessionEndpoint:
+    """One per rollout rank. Sessions are opened and closed by the agent runner in-process."""
+
+    def __init__(self, engine, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.host = host
+        self.port = port
+        self.max_body_bytes = max_body_bytes
+        self.sessions: dict[str, Session] = {}
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        from molt.endpoint.anthropic_api import handle_messages
+        from molt.endpoint.openai_api import handle_chat_completions, handle_models
+
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/s/{session_id}/v1/chat/completions", self._with_session(handle_chat_completions))
+        app.router.add_post("/s/{session_id}/v1/messages", self._with_session(handle_messages))
+        app.router.add_get("/s/{session_id}/v1/models", self._with_session(handle_models))
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # engine stream and so aborts the engine request.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        logger.info("session endpoint on http://%s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def open_session(self, *, sampling: SamplingParams, max_length: int) -> Session:
+        session_id = secrets.token_hex(8)
+        session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}",
+                          model_name=self.model_name, engine=self.engine, tokenizer=self.tokenizer,
+                          sampling=sampling, max_length=max_length, base_url=f"{self.url}/s/{session_id}")
+        self.sessions[session_id] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        session.closed = True
+        self.sessions.pop(session.session_id, None)
+
+    # -- middleware and wrappers ------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error_for(request, 413, f"request body exceeds {self.max_body_bytes} bytes")
+        except web.HTTPNotFound:
+            return _error_for(request, 404, f"no route {request.method} {request.path}")
+        except web.HTTPMethodNotAllowed:
+            return _error_for(request, 405, f"method {request.method} not allowed on {request.path}")
+
+    def _with_session(self, handler):
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            session = self.sessions.get(request.match_info["session_id"])
+            presented = _presented_key(request)
+            expected = session.api_key if session is not None else "molt-no-such-session-key"
+            # Compare even for unknown sessions, so timing does not tell which ids exist.
+            key_ok = hmac.compare_digest(presented.encode(), expected.encode())
+            if session is None or session.closed or not key_ok:
+                return _error_for(request, 401, "invalid or expired session key")
+            if request.content_length is not None and request.content_length > self.max_body_bytes:
+                return _error_for(request, 413, f"request body exceeds {self.max_body_bytes} bytes")
+            return await handler(request, session)
+
+        return wrapped
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+
+
+def _presented_key(request: web.Request) -> str:
+    header = request.headers.get("Authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "")
