@@ -53,3 +53,23 @@ def multi_turn() -> MoltConfig:
     cfg.agent.max_turns = 2
     cfg.rollout.max_length = 96
     return cfg
+
+
+def tool_agent() -> MoltConfig:
+    """A ChatAgent that may call an `add` tool through the OpenAI SDK (two turns per rollout)."""
+    cfg = config()
+    cfg.name = "demo-tool-openai"
+    cfg.model.path = str(cache_dir() / "demo" / "model-tool-warm")
+    cfg.agent.path = str(HERE / "agents" / "addition_tool_openai.py")
+    cfg.rollout.max_response_tokens = 40
+    cfg.rollout.max_length = 512
+    cfg.rollout.n_samples_per_prompt = 8
+    return cfg
+
+
+def tool_agent_anthropic() -> MoltConfig:
+    """The same agent loop through the Anthropic SDK."""
+    cfg = tool_agent()
+    cfg.name = "demo-tool-anthropic"
+    cfg.agent.path = str(HERE / "agents" / "addition_tool_anthropic.py")
+    return cfg

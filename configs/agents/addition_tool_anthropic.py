@@ -1,0 +1,36 @@
+"""The tool-using addition agent of addition_tool_openai.py, driven through the Anthropic SDK."""
+
+from anthropic import AsyncAnthropic
+
+from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
+
+ADD_TOOL = {"name": "add", "description": "a+b", "input_schema": {"type": "object"}}
+
+
+def run_add_tool(arguments: dict) -> str:
+    try:
+        return str(int(arguments["a"]) + int(arguments["b"]))
+    except (ValueError, KeyError, TypeError):
+        return "error: add needs integer arguments a and b"
+
+
+class AdditionToolAgent(ChatAgent):
+    async def run(self, ctx: ChatContext) -> Result:
+        client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+        messages = [{"role": "user", "content": ctx.prompt}]
+        sampling = {"max_tokens": ctx.sampling_params.max_tokens, "temperature": ctx.sampling_params.temperature}
+        response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[ADD_TOOL], **sampling)
+        calls = [block for block in response.content if block.type == "tool_use"]
+        if calls:
+            messages.append({"role": "assistant", "content": [block.model_dump() for block in response.content]})
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": calls[0].id, "content": run_add_tool(calls[0].input)}]})
+            response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[ADD_TOOL],
+                                                    **sampling)
+        answer = "".join(block.text for block in response.content if block.type == "text").strip()
+        return Result(reward=float(answer == ctx.label), info={"used_tool": float(bool(calls))})
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(AdditionToolAgent)
