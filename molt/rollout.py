@@ -20,6 +20,7 @@ from molt.agents.chat import ChatAgentRunner
 from molt.agents.env import run_with_timeout
 from molt.config import MoltConfig
 from molt.endpoint.server import SessionEndpoint
+from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
 from molt.experience import Experience
 from molt.wire import connect_dealer, pack, unpack
@@ -67,6 +68,9 @@ class RolloutService:
             self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
             self.endpoint = None
             if isinstance(self.runner, ChatAgentRunner):
+                for problem in find_prefix_breaks(self.engine.tokenizer):
+                    logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "
+                                   "(counted as drift/template_rewrite)", problem)
                 self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
                                                 model_name=Path(self.cfg.model.path).name,
                                                 host=self.cfg.agent.endpoint_host)

@@ -186,3 +186,18 @@ def test_bad_messages_are_refused(engine, messages, expected):
     session, _ = _session(engine)
     with pytest.raises(RequestError, match=expected):
         _ask(engine, session, messages)
+
+
+def test_the_template_check_passes_the_tiny_template_and_flags_a_rewriting_one(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from molt.endpoint.template_check import find_prefix_breaks
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert find_prefix_breaks(tokenizer) == []
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}"
+        "<|im_start|>assistant\n<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    problems = find_prefix_breaks(tokenizer)
+    assert len(problems) == 3 and "message 2" in problems[0]

@@ -106,6 +106,11 @@ class SessionEndpoint:
             return _error_for(request, 404, f"no route {request.method} {request.path}")
         except web.HTTPMethodNotAllowed:
             return _error_for(request, 405, f"method {request.method} not allowed on {request.path}")
+        except web.HTTPException:
+            raise
+        except Exception as error:  # a bug of ours: still an API-shaped error, and logged
+            logger.exception("session endpoint: %s %s failed", request.method, request.path)
+            return _error_for(request, 500, f"internal error: {type(error).__name__}")
 
     def _with_session(self, handler):
         async def wrapped(request: web.Request) -> web.StreamResponse:

@@ -10,6 +10,7 @@ nothing; a failed generation records nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -138,17 +139,21 @@ class Session:
             temperature=self.default_sampling.temperature if sampling.temperature is None else sampling.temperature,
             top_p=self.default_sampling.top_p if sampling.top_p is None else sampling.top_p)
         sampled, logprobs, text, finish_reason, version, shown = [], [], "", None, 0, 0
-        async for delta in self.engine.stream(prompt_ids, params, stop=sampling.stop, seed=sampling.seed):
-            sampled += delta.token_ids
-            logprobs += delta.logprobs
-            text += delta.text
-            version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
-            visible = text.split(TOOL_CALL_MARKER, 1)[0]
-            # Hold back a possible partial marker at the end, so markup never reaches the client.
-            safe = len(visible) if TOOL_CALL_MARKER in text else _safe_prefix_length(visible)
-            if safe > shown:
-                yield visible[shown:safe]
-                shown = safe
+        # aclosing: when this generator is closed early (the client went away), close the engine
+        # stream at once, which aborts the engine request, instead of whenever it is collected.
+        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, stop=sampling.stop,
+                                                          seed=sampling.seed)) as deltas:
+            async for delta in deltas:
+                sampled += delta.token_ids
+                logprobs += delta.logprobs
+                text += delta.text
+                version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
+                visible = text.split(TOOL_CALL_MARKER, 1)[0]
+                # Hold back a possible partial marker at the end, so markup never reaches the client.
+                safe = len(visible) if TOOL_CALL_MARKER in text else _safe_prefix_length(visible)
+                if safe > shown:
+                    yield visible[shown:safe]
+                    shown = safe
         if finish_reason not in ("stop", "length"):
             raise RequestError(503, f"generation ended with {finish_reason!r}; retry the request", "api_error")
         visible = text.split(TOOL_CALL_MARKER, 1)[0]
