@@ -93,3 +93,19 @@ def test_a_model_vllm_cannot_load_stops_the_job_naming_it(tmp_path, tiny_model_d
     done = _torchrun(2, DEMO, sets + [f"model.path={broken}"], timeout_seconds=300)
     assert done.returncode != 0
     assert f"model.path={str(broken)!r}" in done.stderr
+
+
+@pytest.mark.parametrize("recipe", ["tool_agent", "tool_agent_anthropic"])
+def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, demo_data_dir, recipe):
+    out = tmp_path / "run"
+    done = _torchrun(2, f"{DEMO}:{recipe}", _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "train.num_steps": 2, "rollout.max_response_tokens": 8}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        assert row["rollout/failed"] == 0, row
+        assert row["drift/first_turn"] == row["rollout/num_rollouts"] == 16  # one session per rollout
+        assert row["train/num_action_tokens"] > 0 and math.isfinite(row["train/loss"])
+    assert all(gap <= 1e-4 for gap in (r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r))

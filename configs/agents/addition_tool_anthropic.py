@@ -18,7 +18,9 @@ class AdditionToolAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         client = AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
         messages = [{"role": "user", "content": ctx.prompt}]
-        sampling = {"max_tokens": ctx.sampling_params.max_tokens, "temperature": ctx.sampling_params.temperature}
+        # This SDK's messages.create has no temperature argument; the endpoint reads it from the body.
+        sampling = {"max_tokens": ctx.sampling_params.max_tokens,
+                    "extra_body": {"temperature": ctx.sampling_params.temperature}}
         response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[ADD_TOOL], **sampling)
         calls = [block for block in response.content if block.type == "tool_use"]
         if calls:

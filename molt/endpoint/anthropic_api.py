@@ -183,10 +183,13 @@ def convert_tools(tools: list) -> list[dict]:
                f"with name, description and input_schema")
         _check(isinstance(tool.get("name"), str) and tool["name"], f"{where}.name must be a non-empty string")
         _check(isinstance(tool.get("input_schema"), dict), f"{where}.input_schema must be a JSON schema object")
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        # OpenAI's key order (name, description, parameters): the template renders the JSON as
+        # is, so the same tool declared through either SDK gives the same prompt tokens.
+        function = {"name": tool["name"]}
         if tool.get("description") is not None:
             _check(isinstance(tool["description"], str), f"{where}.description must be a string")
             function["description"] = tool["description"]
+        function["parameters"] = tool["input_schema"]
         converted.append({"type": "function", "function": function})
     return converted
 
