@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from molt.experience import Experience
+from molt.objectives import compute_grpo_advantages
 
 
 @dataclass(kw_only=True)
@@ -32,6 +33,19 @@ class MicroBatch:
             behavior_logprobs=self.behavior_logprobs.to(device),
             advantages=self.advantages.to(device),
         )
+
+
+def compute_experience_advantages(experiences: list[Experience]) -> list[float]:
+    """GRPO advantage of each experience's rollout. A rollout with several segments (several
+    experiences) counts once in its group's statistics, and each of its segments gets its advantage."""
+    rollouts = {e.rollout_id: (e.reward, e.group_id) for e in experiences}
+    if not rollouts:
+        return []
+    per_rollout = compute_grpo_advantages(
+        torch.tensor([reward for reward, _ in rollouts.values()], dtype=torch.float64),
+        torch.tensor([group for _, group in rollouts.values()]))
+    advantage_of = dict(zip(rollouts, per_rollout.tolist()))
+    return [advantage_of[e.rollout_id] for e in experiences]
 
 
 def assign_to_ranks(experiences: list[Experience], num_ranks: int) -> list[list[int]]:

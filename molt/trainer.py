@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
-from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.batch import (assign_to_ranks, build_micro_batches, compute_experience_advantages,
+                        count_micro_batches)
 from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts
 from molt.experience import Experience
 from molt.metrics import MetricsLogger, StageTimer
-from molt.objectives import compute_grpo_advantages
 from molt.refit import RefitSender, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
 
@@ -118,15 +118,7 @@ class Trainer:
     def assemble_batch(self, rollouts: StepRollouts):
         """Advantages per rollout (each rollout counted once), then a balanced share per trainer rank."""
         experiences = [e for group in rollouts.groups for e in group]
-        rewards = {e.rollout_id: (e.reward, e.group_id) for e in experiences}
-        rollout_ids = list(rewards)
-        advantage_of = {}
-        if rollout_ids:
-            per_rollout = compute_grpo_advantages(
-                torch.tensor([rewards[r][0] for r in rollout_ids], dtype=torch.float64),
-                torch.tensor([rewards[r][1] for r in rollout_ids]))
-            advantage_of = dict(zip(rollout_ids, per_rollout.tolist()))
-        advantages = [advantage_of[e.rollout_id] for e in experiences]
+        advantages = compute_experience_advantages(experiences)
         shares = assign_to_ranks(experiences, self.num_trainer_ranks)
         budget = self.cfg.train.max_tokens_per_micro_batch
         num_micro_batches = max(1, *(count_micro_batches([experiences[i] for i in share],

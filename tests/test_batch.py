@@ -108,3 +108,21 @@ def test_micro_batches_padded_to_requested_count():
             experiences, [1.0] * 5, max_tokens_per_micro_batch=64, pad_token_id=PAD,
             num_micro_batches=needed - 1,
         )
+
+
+def test_a_rollout_with_several_segments_counts_once_in_its_group():
+    from molt.batch import compute_experience_advantages
+
+    def segment(rollout_id, group_id, reward, index=0):
+        return Experience(token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
+                          policy_versions=[-1, 0], reward=reward, score=reward, group_id=group_id,
+                          rollout_id=rollout_id, segment_index=index)
+
+    # Group 0: rollout 0 (reward 1, three segments) and rollout 1 (reward 0, one segment).
+    experiences = [segment(0, 0, 1.0, 0), segment(0, 0, 1.0, 1), segment(0, 0, 1.0, 2), segment(1, 0, 0.0),
+                   segment(2, 1, 0.5), segment(3, 1, 0.5)]
+    advantages = compute_experience_advantages(experiences)
+    # Counted once: mean 0.5, unbiased std of [1, 0] = 0.7071 -> +-0.7071 (not the 3:1 weighting).
+    expected = 0.5 / (2 ** -0.5 + 1e-6)
+    assert advantages[:4] == pytest.approx([expected, expected, expected, -expected], rel=1e-9)
+    assert advantages[4:] == [0.0, 0.0]  # a constant-reward group

@@ -123,6 +123,10 @@ class SessionEndpoint:
                 return _error_for(request, 401, "invalid or expired session key")
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 return _error_for(request, 413, f"request body exceeds {self.max_body_bytes} bytes")
+            if request.body_exists:
+                # A chunked body has no Content-Length: read it here under the cap (over it raises
+                # 413 into the middleware), so no route can parse it or turn the 413 into a 500.
+                await request.read()
             return await handler(request, session)
 
         return wrapped
