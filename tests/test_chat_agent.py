@@ -1,0 +1,78 @@
+"""ChatAgentRunner: agents that drive the real OpenAI/Anthropic SDKs become experiences."""
+
+from openai import AsyncOpenAI
+
+from molt.agents import ChatAgent, ChatAgentRunner, Result, RolloutRequest, SamplingParams
+from molt.agents.env import run_with_timeout
+
+
+def _request(rollout_id=0) -> RolloutRequest:
+    return RolloutRequest(rollout_id=rollout_id, group_id=3, sample_index=0,
+                          messages=[{"role": "user", "content": "3+5="}], label="8", tools=None,
+                          sampling=SamplingParams(max_tokens=6), max_length=256, max_turns=1, policy_version=0)
+
+
+def _run(engine, endpoint, agent_class, request=None):
+    runner = ChatAgentRunner(agent_class)
+    runner.endpoint = endpoint.endpoint
+    return engine.run(run_with_timeout(runner, request or _request(), engine.engine, engine.engine.tokenizer, 60))
+
+
+class ThreeTurnAgent(ChatAgent):
+    replies: list[str] = []
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        for turn in range(3):
+            response = await client.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=6)
+            content = response.choices[0].message.content or ""
+            ThreeTurnAgent.replies.append(content)
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"turn {turn}"}]
+        return Result(reward=0.75, info={"turns": 3})
+
+
+class CompactingAgent(ChatAgent):
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        first = await client.chat.completions.create(model=ctx.model_name, messages=list(ctx.messages), max_tokens=6)
+        summary = f"Earlier I answered {first.choices[0].message.content!r}. Again: 3+5="
+        await client.chat.completions.create(model=ctx.model_name, messages=[{"role": "user", "content": summary}],
+                                             max_tokens=6)
+        return Result(reward=1.0, score=2.0)
+
+
+def test_a_three_turn_agent_is_one_experience_of_its_replies(engine, endpoint):
+    ThreeTurnAgent.replies = []
+    outcome = _run(engine, endpoint, ThreeTurnAgent)
+    assert outcome.failure == "", outcome.error
+    (experience,) = outcome.experiences
+    assert experience.reward == 0.75 and experience.group_id == 3 and experience.info == {"turns": 3.0}
+    assert outcome.ledger == {"first_turn": 1, "continued": 2}
+    tokenizer = engine.engine.tokenizer
+    runs, current = [], []
+    for token, is_action in zip(experience.token_ids, experience.action_mask):
+        if is_action:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    runs += [current] if current else []
+    assert [tokenizer.decode(run, skip_special_tokens=True) for run in runs] == ThreeTurnAgent.replies
+    assert all(lp < 0 for lp, a in zip(experience.behavior_logprobs, experience.action_mask) if a)
+
+
+def test_compaction_gives_two_experiences_sharing_the_reward(engine, endpoint):
+    outcome = _run(engine, endpoint, CompactingAgent)
+    assert outcome.failure == "", outcome.error
+    assert [e.segment_index for e in outcome.experiences] == [0, 1]
+    assert {(e.reward, e.score, e.rollout_id, e.group_id) for e in outcome.experiences} == {(1.0, 2.0, 0, 3)}
+    assert outcome.ledger == {"first_turn": 1, "history_rewrite": 1}
+    second = engine.engine.tokenizer.decode(outcome.experiences[1].token_ids)
+    assert "Earlier I answered" in second and "Earlier I answered" not in engine.engine.tokenizer.decode(
+        outcome.experiences[0].token_ids)
+
+
+def test_sessions_are_closed_after_the_rollout(engine, endpoint):
+    before = set(endpoint.endpoint.sessions)
+    _run(engine, endpoint, CompactingAgent)
+    assert set(endpoint.endpoint.sessions) == before
