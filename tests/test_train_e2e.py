@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,17 @@ def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float =
     for item in sets:
         args += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout_seconds, cwd=ROOT, env=env)
+    # Its own process group: on a timeout the whole job (ranks, engine cores) is killed, not
+    # just torchrun, so a hung job cannot outlive the test.
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"torchrun job still running after {timeout_seconds}s; stderr:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
