@@ -29,8 +29,8 @@ def config() -> MoltConfig:
     cfg.rollout.max_response_tokens = 4
     cfg.rollout.max_length = 64
     cfg.rollout.temperature = 1.0
-    cfg.train.num_steps = 500
-    cfg.train.learning_rate = 1e-3
+    cfg.train.num_steps = 400
+    cfg.train.learning_rate = 5e-4
     cfg.train.max_grad_norm = 1.0
     cfg.train.max_tokens_per_micro_batch = 4096
     cfg.refit.bucket_megabytes = 64
