@@ -56,14 +56,17 @@ def multi_turn() -> MoltConfig:
 
 
 def tool_agent() -> MoltConfig:
-    """A ChatAgent that may call an `add` tool through the OpenAI SDK (two turns per rollout)."""
+    """A ChatAgent that may call a calculator tool through the OpenAI SDK (one or two turns)."""
     cfg = config()
     cfg.name = "demo-tool-openai"
     cfg.model.path = str(cache_dir() / "demo" / "model-tool-warm")
     cfg.agent.path = str(HERE / "agents" / "addition_tool_openai.py")
-    cfg.rollout.max_response_tokens = 40
-    cfg.rollout.max_length = 512
+    cfg.rollout.prompts_per_step = 8
     cfg.rollout.n_samples_per_prompt = 8
+    cfg.rollout.max_response_tokens = 24
+    cfg.rollout.max_length = 512
+    cfg.train.learning_rate = 3e-4
+    cfg.train.num_steps = 120
     return cfg
 
 

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 # The tool exactly as configs/agents/addition_tool_*.py declare it (it is part of the prompt).
-ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a+b",
-                                             "parameters": {"type": "object"}}}
+CALCULATOR_TOOL = {"type": "function", "function": {"name": "calculator", "description": "solve the question",
+                                                    "parameters": {"type": "object"}}}
 
 
 def build_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
@@ -36,20 +36,24 @@ def build_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[in
     return examples
 
 
-def build_tool_examples(tokenizer, rows: list[dict], *, train_answer: bool) -> list[tuple[list[int], list[int]]]:
-    """The tool-use conversation: a call to add(a, b), its result, the final answer. The call is
-    trained, the answer only with `train_answer`; the pieces are tokenized as the session
-    endpoint does."""
+def build_tool_examples(tokenizer, rows: list[dict], *, tool_share: float, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Conversations with the calculator tool in the prompt. A `tool_share` of them call it (no
+    arguments: it solves the question), read its result and answer with it; the rest answer
+    directly. Assistant turns are trained; the pieces are tokenized as the session endpoint does."""
+    rng = random.Random(seed)
     examples = []
     for row in rows:
-        a, b = (int(x) for x in row["messages"][-1]["content"].rstrip("=").split("+"))
-        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
-        turns = [row["messages"][-1], {"role": "assistant", "content": "", "tool_calls": [call]},
-                 {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": row["label"]}]
+        question = row["messages"][-1]
+        if rng.random() < tool_share:
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {}}}
+            turns = [question, {"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": row["label"]}, {"role": "assistant", "content": row["label"]}]
+        else:
+            turns = [question, {"role": "assistant", "content": row["label"]}]
         ids, mask, rendered = [], [], ""
-        for count, trained in ((1, 0), (2, 1), (3, 0), (4, int(train_answer))):
+        for count in range(1, len(turns) + 1):
             is_reply = count % 2 == 0
-            text = tokenizer.apply_chat_template(turns[:count], tools=[ADD_TOOL], tokenize=False,
+            text = tokenizer.apply_chat_template(turns[:count], tools=[CALCULATOR_TOOL], tokenize=False,
                                                  add_generation_prompt=not is_reply)
             piece = text[len(rendered):]
             if is_reply:  # up to and including the end-of-turn token; what follows is context
@@ -57,14 +61,14 @@ def build_tool_examples(tokenizer, rows: list[dict], *, train_answer: bool) -> l
                 piece, text = piece[:end], rendered + piece[:end]
             piece_ids = tokenizer.encode(piece, add_special_tokens=False)
             ids += piece_ids
-            mask += [trained] * len(piece_ids)
+            mask += [int(is_reply)] * len(piece_ids)
             rendered = text
         examples.append((ids, mask))
     return examples
 
 
 def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batch_size: int,
-               learning_rate: float, seed: int, task: str = "answer") -> dict:
+               learning_rate: float, seed: int, task: str = "answer", tool_share: float = 0.5) -> dict:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -73,7 +77,7 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     if task == "answer":
         examples = build_examples(tokenizer, rows)
     else:
-        examples = build_tool_examples(tokenizer, rows, train_answer=task == "tool")
+        examples = build_tool_examples(tokenizer, rows, tool_share=tool_share, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     started = time.perf_counter()
     loss_value = float("nan")
@@ -97,7 +101,7 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
-    settings = {"base_model": str(model_dir), "data": str(data_path), "task": task, "steps": steps,
+    settings = {"base_model": str(model_dir), "data": str(data_path), "task": task, "tool_share": tool_share, "steps": steps,
                 "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
     (staging / "warm_start.json").write_text(json.dumps(settings, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -114,12 +118,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", choices=["answer", "tool", "tool-call"], default="answer",
-                        help="answer: prompt -> sum; tool: prompt -> add(a, b) call -> result -> sum; "
-                             "tool-call: the same conversation, training only the call")
+    parser.add_argument("--task", choices=["answer", "tool"], default="answer",
+                        help="answer: prompt -> sum; tool: the calculator tool in the prompt, called or not")
+    parser.add_argument("--tool-share", type=float, default=0.5,
+                        help="tool task: share of examples that call the calculator")
     args = parser.parse_args()
     summary = warm_start(args.model, args.data, args.out, steps=args.steps, batch_size=args.batch_size,
-                         learning_rate=args.learning_rate, seed=args.seed, task=args.task)
+                         learning_rate=args.learning_rate, seed=args.seed, task=args.task,
+                         tool_share=args.tool_share)
     print(json.dumps(summary))
 
 

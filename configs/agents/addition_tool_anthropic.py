@@ -4,14 +4,13 @@ from anthropic import AsyncAnthropic
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 
-ADD_TOOL = {"name": "add", "description": "a+b", "input_schema": {"type": "object"}}
+CALCULATOR_TOOL = {"name": "calculator", "description": "solve the question", "input_schema": {"type": "object"}}
 
 
-def run_add_tool(arguments: dict) -> str:
-    try:
-        return str(int(arguments["a"]) + int(arguments["b"]))
-    except (ValueError, KeyError, TypeError):
-        return "error: add needs integer arguments a and b"
+def run_calculator(question: str) -> str:
+    """Evaluates the one-digit addition of the question ('3+5=' -> '8')."""
+    left, _, right = question.rstrip("= ").partition("+")
+    return str(int(left) + int(right))
 
 
 class AdditionToolAgent(ChatAgent):
@@ -21,13 +20,13 @@ class AdditionToolAgent(ChatAgent):
         # This SDK's messages.create has no temperature argument; the endpoint reads it from the body.
         sampling = {"max_tokens": ctx.sampling_params.max_tokens,
                     "extra_body": {"temperature": ctx.sampling_params.temperature}}
-        response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[ADD_TOOL], **sampling)
+        response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[CALCULATOR_TOOL], **sampling)
         calls = [block for block in response.content if block.type == "tool_use"]
         if calls:
             messages.append({"role": "assistant", "content": [block.model_dump() for block in response.content]})
             messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": calls[0].id, "content": run_add_tool(calls[0].input)}]})
-            response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[ADD_TOOL],
+                {"type": "tool_result", "tool_use_id": calls[0].id, "content": run_calculator(ctx.prompt)}]})
+            response = await client.messages.create(model=ctx.model_name, messages=messages, tools=[CALCULATOR_TOOL],
                                                     **sampling)
         answer = "".join(block.text for block in response.content if block.type == "text").strip()
         return Result(reward=float(answer == ctx.label), info={"used_tool": float(bool(calls))})

@@ -1,26 +1,23 @@
 """The demo task as a ChatAgent with one tool, driven through the official OpenAI SDK.
 
-The model may call `add(a, b)`; the agent runs it and sends the result back; the model's final
-answer earns reward 1 if it is the exact sum. The trainer learns from every token the model
-sampled in both turns (captured by Molt's session endpoint, nothing to do here).
+The model may answer directly or call `calculator` (no arguments: it solves the question); the
+agent runs the tool and sends the result back; the final answer earns reward 1 if it is the
+exact sum. RL has to learn that calling the tool pays. The trainer learns from every token the
+model sampled in both turns (captured by Molt's session endpoint: nothing to do here).
 """
-
-import json
 
 from openai import AsyncOpenAI
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 
-ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a+b",
-                                             "parameters": {"type": "object"}}}
+CALCULATOR_TOOL = {"type": "function", "function": {"name": "calculator", "description": "solve the question",
+                                                    "parameters": {"type": "object"}}}
 
 
-def run_add_tool(arguments: str) -> str:
-    try:
-        values = json.loads(arguments)
-        return str(int(values["a"]) + int(values["b"]))
-    except (ValueError, KeyError, TypeError):
-        return "error: add needs integer arguments a and b"
+def run_calculator(question: str) -> str:
+    """Evaluates the one-digit addition of the question ('3+5=' -> '8')."""
+    left, _, right = question.rstrip("= ").partition("+")
+    return str(int(left) + int(right))
 
 
 class AdditionToolAgent(ChatAgent):
@@ -29,16 +26,16 @@ class AdditionToolAgent(ChatAgent):
         messages = list(ctx.messages)
         sampling = {"max_tokens": ctx.sampling_params.max_tokens, "temperature": ctx.sampling_params.temperature}
         response = await client.chat.completions.create(model=ctx.model_name, messages=messages,
-                                                        tools=[ADD_TOOL], **sampling)
+                                                        tools=[CALCULATOR_TOOL], **sampling)
         message = response.choices[0].message
         used_tool = bool(message.tool_calls)
         if used_tool:
             call = message.tool_calls[0]
             messages.append({"role": "assistant", "content": message.content,
                              "tool_calls": [call.model_dump()]})
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_add_tool(call.function.arguments)})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_calculator(ctx.prompt)})
             response = await client.chat.completions.create(model=ctx.model_name, messages=messages,
-                                                            tools=[ADD_TOOL], **sampling)
+                                                            tools=[CALCULATOR_TOOL], **sampling)
             message = response.choices[0].message
         answer = (message.content or "").strip()
         return Result(reward=float(answer == ctx.label), info={"used_tool": float(used_tool)})

@@ -1,0 +1,321 @@
+"""Benchmark the capture endpoint: single-turn chat rollouts through the per-session endpoint with
+the real OpenAI SDK, side by side with the same prompts sent straight to the same vLLM engine
+(PERF.md). Everything runs on one event loop against one real vLLM CPU engine started through Molt.
+
+Paths (each rollout has a fixed sampling seed, so every path generates the same work):
+- direct: render the chat template to token ids and consume `RolloutEngine.stream` (what the
+  endpoint itself calls);
+- endpoint: open a session, build one `AsyncOpenAI` for it (as agents do), send one
+  `chat.completions.create`, close the client and the session;
+- endpoint_shared_tls (diagnostic): the same, but the per-rollout client is given an httpx client
+  built on one shared SSL context. The SDK otherwise loads the CA bundle on every client
+  construction, even for a plain-http base_url; this path shows what is left without that;
+- endpoint_raw_http (diagnostic): a session per rollout, but the request is plain JSON over one
+  shared keep-alive aiohttp client, no SDK: what the endpoint itself (HTTP server, session,
+  template, JSON) adds to the direct path.
+
+One run prints one JSON line per figure, then the command that produced them:
+- capture_rollouts_per_second: medians over rounds run A B C D, D C B A ... after a warm-up
+  round (target endpoint / direct >= 0.95; the diagnostic paths' ratios alongside);
+- capture_generated_tokens: prompt and completion tokens per path, to show the work was equal;
+- capture_latency_p50_ms: per-rollout latency at the same concurrency (target added <= 1 ms);
+- capture_sequential_latency_p50_ms: the same at concurrency 1, paths interleaved request by
+  request, so queueing does not hide the endpoint's own overhead;
+- capture_front_process_cpu_ms_per_rollout: CPU time of this process (event loop: SDK, endpoint,
+  vLLM's front end; not the engine core) per rollout, per path;
+- capture_sdk_client_construction_ms: p50 time to build one AsyncOpenAI, per client flavour.
+
+    python tools/bench/capture.py [--rollouts 256] [--concurrency 32] [--max-tokens 16] [--rounds 2]
+"""
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import shlex
+import ssl
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# vLLM, the OpenAI SDK and molt are imported inside functions: vLLM's engine core is spawned and
+# re-imports this module, and should not pay for them.
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_LENGTH = 256
+MODEL_NAME = "molt-tiny"
+
+
+@dataclass(kw_only=True)
+class RolloutTiming:
+    """What one rollout cost and generated."""
+
+    rollout_seconds: float  # whole rollout: session, client, template, request, close
+    request_seconds: float  # the request alone: engine stream, or chat.completions.create
+    client_seconds: float  # SDK client construction (0 for direct)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(kw_only=True)
+class Workload:
+    messages: list[list[dict]]  # [rollouts] chat messages of each rollout's prompt
+    seeds: list[int]  # [rollouts] sampling seed of each rollout
+    max_tokens: int
+
+
+def load_repo_module(relative_path: str, name: str):
+    """Import a repo file that is not part of a package (tests/ and tools/ are scripts)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_workload(num_rollouts: int, max_tokens: int, seed: int) -> Workload:
+    demo_data = load_repo_module("tools/make_demo_data.py", "molt_tools_make_demo_data")
+    rows = demo_data.build_addition_rows(num_rollouts, random.Random(f"bench:{seed}"), "bench")
+    return Workload(messages=[row["messages"] for row in rows],
+                    seeds=[seed * 1_000_003 + index for index in range(num_rollouts)], max_tokens=max_tokens)
+
+
+# -- the paths ------------------------------------------------------------------------------------
+
+async def run_direct(engine, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
+    from molt.agents.base import SamplingParams
+
+    started = time.perf_counter()
+    prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    sampling = SamplingParams(max_tokens=min(max_tokens, MAX_LENGTH - len(prompt_ids)), temperature=1.0)
+    request_started = time.perf_counter()
+    num_generated = 0
+    async for delta in engine.stream(prompt_ids, sampling, seed=seed):
+        num_generated += len(delta.token_ids)
+    finished = time.perf_counter()
+    return RolloutTiming(rollout_seconds=finished - started, request_seconds=finished - request_started,
+                         client_seconds=0.0, prompt_tokens=len(prompt_ids), completion_tokens=num_generated)
+
+
+async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: int,
+                       shared_tls: ssl.SSLContext | None) -> RolloutTiming:
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    from molt.agents.base import SamplingParams
+
+    started = time.perf_counter()
+    session = endpoint.open_session(sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
+                                    max_length=MAX_LENGTH)
+    try:
+        client_started = time.perf_counter()
+        http_client = DefaultAsyncHttpxClient(verify=shared_tls) if shared_tls is not None else None
+        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0,
+                             http_client=http_client)
+        request_started = time.perf_counter()
+        try:
+            completion = await client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=1.0, seed=seed)
+            request_finished = time.perf_counter()
+        finally:
+            await client.close()
+    finally:
+        endpoint.close_session(session)
+    return RolloutTiming(rollout_seconds=time.perf_counter() - started,
+                         request_seconds=request_finished - request_started,
+                         client_seconds=request_started - client_started,
+                         prompt_tokens=completion.usage.prompt_tokens,
+                         completion_tokens=completion.usage.completion_tokens)
+
+
+async def run_raw_http(endpoint, http, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
+    from molt.agents.base import SamplingParams
+
+    started = time.perf_counter()
+    session = endpoint.open_session(sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
+                                    max_length=MAX_LENGTH)
+    try:
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0,
+                "seed": seed}
+        async with http.post(f"{session.base_url}/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {session.api_key}"}) as response:
+            response.raise_for_status()
+            completion = await response.json()
+        finished = time.perf_counter()
+    finally:
+        endpoint.close_session(session)
+    return RolloutTiming(rollout_seconds=finished - started, request_seconds=finished - started,
+                         client_seconds=0.0, prompt_tokens=completion["usage"]["prompt_tokens"],
+                         completion_tokens=completion["usage"]["completion_tokens"])
+
+
+def build_paths(engine, endpoint, http) -> dict[str, Callable[[list[dict], int, int], Awaitable[RolloutTiming]]]:
+    shared_tls = ssl.create_default_context()
+    return {
+        "direct": lambda messages, seed, max_tokens: run_direct(engine, messages, seed, max_tokens),
+        "endpoint": lambda messages, seed, max_tokens: run_endpoint(endpoint, messages, seed, max_tokens, None),
+        "endpoint_shared_tls": lambda messages, seed, max_tokens: run_endpoint(
+            endpoint, messages, seed, max_tokens, shared_tls),
+        "endpoint_raw_http": lambda messages, seed, max_tokens: run_raw_http(
+            endpoint, http, messages, seed, max_tokens),
+    }
+
+
+# -- rounds ---------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Round:
+    seconds: float
+    cpu_seconds: float  # CPU time of this process (event loop, SDK, endpoint, vLLM front end)
+    rollouts: list[RolloutTiming]
+
+    @property
+    def rollouts_per_second(self) -> float:
+        return len(self.rollouts) / self.seconds
+
+
+async def run_round(path, workload: Workload, num_rollouts: int, concurrency: int) -> Round:
+    """`num_rollouts` rollouts of `path`, at most `concurrency` in flight (a pool of workers)."""
+    timings: list[RolloutTiming | None] = [None] * num_rollouts
+    next_index = iter(range(num_rollouts))
+
+    async def worker() -> None:
+        for index in next_index:
+            timings[index] = await path(workload.messages[index], workload.seeds[index], workload.max_tokens)
+
+    started, cpu_started = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, num_rollouts))))
+    return Round(seconds=time.perf_counter() - started, cpu_seconds=time.process_time() - cpu_started,
+                 rollouts=timings)
+
+
+async def run_concurrent(paths, workload: Workload, args) -> dict[str, list[Round]]:
+    """A warm-up round of each path, then `args.rounds` timed rounds ordered A B C D, D C B A, ..."""
+    names = list(paths)
+    for name in names:
+        await run_round(paths[name], workload, min(args.rollouts, 2 * args.concurrency), args.concurrency)
+    rounds: dict[str, list[Round]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names if round_index % 2 == 0 else reversed(names):
+            rounds[name].append(await run_round(paths[name], workload, args.rollouts, args.concurrency))
+    return rounds
+
+
+async def run_sequential(paths, workload: Workload, num_requests: int) -> dict[str, list[RolloutTiming]]:
+    """Concurrency 1, paths interleaved request by request with the same prompt and seed."""
+    timings: dict[str, list[RolloutTiming]] = {name: [] for name in paths}
+    for index in range(num_requests):
+        slot = index % len(workload.messages)
+        for name, path in paths.items():
+            timings[name].append(await path(workload.messages[slot], workload.seeds[slot], workload.max_tokens))
+    return timings
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def p50_ms(values: list[float]) -> float:
+    return round(1000 * statistics.median(values), 3)
+
+
+def added_latency(latency: dict[str, float]) -> dict:
+    """The endpoint's added p50 (the target figure), and each diagnostic path's alongside."""
+    return {"added_ms": round(latency["endpoint"] - latency["direct"], 3),
+            "diagnostic_added_ms": {name: round(value - latency["direct"], 3) for name, value in latency.items()
+                                    if name not in ("direct", "endpoint")}}
+
+
+def report_concurrent(rounds: dict[str, list[Round]], args) -> None:
+    rates = {name: statistics.median(r.rollouts_per_second for r in runs) for name, runs in rounds.items()}
+    setting = {"rollouts": args.rollouts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+               "rounds": args.rounds}
+    emit({"figure": "capture_rollouts_per_second", **{name: round(rate, 2) for name, rate in rates.items()},
+          "ratio": round(rates["endpoint"] / rates["direct"], 3), "target_ratio": 0.95,
+          "diagnostic_ratios": {name: round(rate / rates["direct"], 3) for name, rate in rates.items()
+                                if name not in ("direct", "endpoint")},
+          "all": {name: [round(r.rollouts_per_second, 2) for r in runs] for name, runs in rounds.items()},
+          **setting})
+    emit({"figure": "capture_generated_tokens",
+          "completion_tokens_per_round": {name: [sum(t.completion_tokens for t in r.rollouts) for r in runs]
+                                          for name, runs in rounds.items()},
+          "prompt_tokens_per_round": {name: [sum(t.prompt_tokens for t in r.rollouts) for r in runs]
+                                      for name, runs in rounds.items()}})
+    latency = {name: round(statistics.median(p50_ms([t.rollout_seconds for t in r.rollouts]) for r in runs), 3)
+               for name, runs in rounds.items()}
+    request = {name: round(statistics.median(p50_ms([t.request_seconds for t in r.rollouts]) for r in runs), 3)
+               for name, runs in rounds.items()}
+    emit({"figure": "capture_latency_p50_ms", **latency,
+          **added_latency(latency), "target_added_ms": 1.0, "request_only": request, **setting})
+    emit({"figure": "capture_front_process_cpu_ms_per_rollout",
+          **{name: round(statistics.median(1000 * r.cpu_seconds / len(r.rollouts) for r in runs), 3)
+             for name, runs in rounds.items()}, **setting})
+
+
+def report_sequential(timings: dict[str, list[RolloutTiming]]) -> None:
+    latency = {name: p50_ms([t.rollout_seconds for t in runs]) for name, runs in timings.items()}
+    request = {name: p50_ms([t.request_seconds for t in runs]) for name, runs in timings.items()}
+    emit({"figure": "capture_sequential_latency_p50_ms", **latency,
+          **added_latency(latency), "target_added_ms": 1.0, "request_only": request,
+          "completion_tokens": {name: sum(t.completion_tokens for t in runs) for name, runs in timings.items()},
+          "requests": len(timings["direct"])})
+    emit({"figure": "capture_sdk_client_construction_ms",
+          "default": p50_ms([t.client_seconds for t in timings["endpoint"]]),
+          "shared_tls": p50_ms([t.client_seconds for t in timings["endpoint_shared_tls"]])})
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+async def run_benchmark(args, model_dir: Path) -> None:
+    import aiohttp
+
+    from molt.config import MoltConfig
+    from molt.endpoint.server import SessionEndpoint
+    from molt.engine import RolloutEngine
+
+    cfg = MoltConfig()
+    cfg.model.path = str(model_dir)
+    cfg.rollout.max_length = MAX_LENGTH
+    engine = RolloutEngine.start(cfg, seed=0)
+    endpoint = SessionEndpoint(engine, engine.tokenizer, model_name=MODEL_NAME)
+    http = aiohttp.ClientSession()
+    try:
+        await endpoint.start()
+        paths = build_paths(engine, endpoint, http)
+        workload = build_workload(args.rollouts, args.max_tokens, args.seed)
+        report_concurrent(await run_concurrent(paths, workload, args), args)
+        report_sequential(await run_sequential(paths, workload, args.sequential_requests))
+    finally:
+        await http.close()
+        await endpoint.stop()
+        engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=256, help="rollouts per timed round and path")
+    parser.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at once")
+    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per path (after one warm-up)")
+    parser.add_argument("--sequential-requests", type=int, default=48,
+                        help="requests per path at concurrency 1")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    args = parser.parse_args()
+    if min(args.rollouts, args.concurrency, args.max_tokens, args.rounds, args.sequential_requests) < 1:
+        raise SystemExit("--rollouts, --concurrency, --max-tokens, --rounds and --sequential-requests "
+                         "must be at least 1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the JSON lines readable
+    fixtures = load_repo_module("tests/fixtures_models.py", "molt_tests_fixtures_models")
+    model_dir = fixtures.build_cached_tiny_model()
+    asyncio.run(run_benchmark(args, model_dir))
+    emit({"command": "python " + shlex.join(sys.argv)})
+
+
+if __name__ == "__main__":
+    main()
