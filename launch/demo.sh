@@ -3,31 +3,13 @@
 # $MOLT_CACHE_DIR), then train with GRPO in one torchrun job and plot the reward.
 # Extra arguments go to molt.train (e.g. --set train.num_steps=50).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/launch/setup_env.sh"
-cd "$ROOT"
-DEMO="$MOLT_CACHE_DIR/demo"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # 2-core boxes: oversubscribed threads run 10x slower
+source "$(dirname "${BASH_SOURCE[0]}")/prepare_demo.sh"
 OUT="${MOLT_OUTPUT_DIR:-runs/demo}"
-mkdir -p "$DEMO"
+RECIPE="${MOLT_DEMO_RECIPE:-configs/demo.py}"
 
-if [ ! -f "$DEMO/model/config.json" ]; then
-  "$PYTHON" tools/make_tiny_model.py "$DEMO/model" --preset tiny --seed 0
-fi
-if [ ! -f "$DEMO/data/train.jsonl" ]; then
-  "$PYTHON" tools/make_demo_data.py "$DEMO/data" --seed 0
-fi
-# Redone when its settings change (they are recorded in warm_start.json).
-WARM_STEPS=160
-if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-warm/warm_start.json"; then
-  echo "[demo] supervised warm start ($WARM_STEPS steps)"
-  "$PYTHON" tools/warm_start.py --model "$DEMO/model" --data "$DEMO/data/train.jsonl" --out "$DEMO/model-warm" \
-    --steps "$WARM_STEPS"
-fi
-
-echo "[demo] training; metrics -> $OUT/metrics.jsonl"
+echo "[demo] training $RECIPE; metrics -> $OUT/metrics.jsonl"
 started=$(date +%s)
-bash launch/run.sh configs/demo.py --set metrics.output_dir="$OUT" "$@"
+bash launch/run.sh "$RECIPE" --set metrics.output_dir="$OUT" "$@"
 "$PYTHON" tools/plot_metrics.py "$OUT/metrics.jsonl" --out "$OUT/reward.png"
 "$PYTHON" - "$OUT/metrics.jsonl" "$started" <<'PY'
 import json, sys, time
