@@ -57,7 +57,7 @@ def _wait(processes: list, directory: Path, deadline: float) -> None:
     while any(process.is_alive() for process in processes):
         _raise_rank_errors(directory)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"distributed test still running after its timeout; ranks killed")
+            raise TimeoutError("distributed test still running after its timeout; ranks killed")
         time.sleep(0.05)
     _raise_rank_errors(directory)
     for rank, process in enumerate(processes):

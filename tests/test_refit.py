@@ -2,7 +2,6 @@
 
 import threading
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -101,7 +101,7 @@ def test_tool_results_in_a_row_are_all_context(engine):
 def test_compaction_opens_a_second_segment(engine):
     session, recorder = _session(engine)
     messages = [{"role": "user", "content": "3+5="}]
-    reply = _ask(engine, session, messages)
+    _ask(engine, session, messages)
     compacted = [{"role": "user", "content": "summary of earlier work; 3+5="}]  # history rewritten
     _ask(engine, session, compacted)
     segments = session.all_segments()
