@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 
 
@@ -39,3 +40,32 @@ class Experience:
     @classmethod
     def from_dict(cls, data: dict) -> Experience:
         return cls(**data)
+
+
+@dataclass
+class Segment:
+    """Token-axis buffers of a segment while its rollout runs (the Env runner and a chat session
+    both build one); it becomes an Experience when the rollout ends."""
+
+    token_ids: list[int] = field(default_factory=list)  # [tokens]
+    action_mask: list[int] = field(default_factory=list)  # [tokens]
+    logprobs: list[float] = field(default_factory=list)  # [tokens]
+    versions: list[int] = field(default_factory=list)  # [tokens]
+    truncated: bool = False  # its last response was cut at max_tokens
+
+    def add_context(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.action_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+
+    def add_action(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        if len(token_ids) != len(logprobs):
+            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
+        self.token_ids += token_ids
+        self.action_mask += [1] * len(token_ids)
+        self.logprobs += logprobs
+        self.versions += [version] * len(token_ids)
+
+    def copy(self) -> Segment:
+        return copy.deepcopy(self)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from molt.agents.base import (AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, Sampler,
                               SamplingParams)
-from molt.experience import Experience
+from molt.experience import Experience, Segment
 
 logger = logging.getLogger("molt")
 
@@ -41,7 +41,7 @@ class StepEnvRunner(AgentRunnerBase):
         self._observation_templates: dict[int, tuple[str, str]] = {}
 
     async def run(self, request: RolloutRequest, sampler: Sampler, tokenizer) -> RolloutOutcome:
-        trace = _Trace()
+        trace = Segment()
         prompt_text = tokenizer.apply_chat_template(
             request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
         trace.add_context(tokenizer.encode(prompt_text, add_special_tokens=False))
@@ -110,30 +110,6 @@ class StepEnvRunner(AgentRunnerBase):
 
 class PromptTooLong(ValueError):
     """The rendered prompt leaves no room for a response within max_length."""
-
-
-class _Trace:
-    """Token-axis buffers of one segment."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.action_mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-
-    def add_context(self, token_ids: list[int]) -> None:
-        self.token_ids += token_ids
-        self.action_mask += [0] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
-        self.versions += [-1] * len(token_ids)
-
-    def add_action(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        if len(logprobs) != len(token_ids):
-            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
-        self.token_ids += token_ids
-        self.action_mask += [1] * len(token_ids)
-        self.logprobs += logprobs
-        self.versions += [version] * len(token_ids)
 
 
 async def run_with_timeout(runner: AgentRunnerBase, request: RolloutRequest, sampler: Sampler, tokenizer,

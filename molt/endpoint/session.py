@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from molt.agents.base import SamplingParams
 from molt.endpoint.tool_calls import ToolCall, parse_tool_calls
+from molt.experience import Segment
 
 logger = logging.getLogger("molt")
 
@@ -54,29 +55,6 @@ class Reply:
     finish_reason: str  # 'stop' | 'length' | 'tool_calls'
     prompt_tokens: int
     completion_tokens: int
-
-
-@dataclass
-class Segment:
-    """Token-axis buffers of one segment."""
-
-    token_ids: list[int] = field(default_factory=list)  # [tokens]
-    action_mask: list[int] = field(default_factory=list)  # [tokens]
-    logprobs: list[float] = field(default_factory=list)  # [tokens]
-    versions: list[int] = field(default_factory=list)  # [tokens]
-    truncated: bool = False  # its last response was cut at max_tokens
-
-    def extended(self, context_ids: list[int]) -> Segment:
-        return Segment(self.token_ids + context_ids, self.action_mask + [0] * len(context_ids),
-                       self.logprobs + [0.0] * len(context_ids), self.versions + [-1] * len(context_ids))
-
-    def add_action(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        if len(token_ids) != len(logprobs):
-            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
-        self.token_ids += token_ids
-        self.action_mask += [1] * len(token_ids)
-        self.logprobs += logprobs
-        self.versions += [version] * len(token_ids)
 
 
 @dataclass
@@ -160,7 +138,8 @@ class Session:
         if len(visible) > shown:
             yield visible[shown:]
         content, tool_calls = parse_tool_calls(text) if TOOL_CALL_MARKER in text else (text, [])
-        segment = base.extended(prompt_ids[len(base.token_ids):]) if base else Segment().extended(prompt_ids)
+        segment = base.copy() if base else Segment()
+        segment.add_context(prompt_ids[len(segment.token_ids):])
         segment.add_action(sampled, logprobs, version)
         segment.truncated = finish_reason == "length"
         self._commit(segment, reason, normalized, tools, content, tool_calls)
