@@ -17,17 +17,14 @@ no-ops and the figures isolate the transfer). The engine is idle, so no generati
 
 import argparse
 import asyncio
-import hashlib
 import importlib.util
 import json
 import multiprocessing
 import os
 import shlex
-import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,29 +37,12 @@ MEGABYTE = 1 << 20
 
 
 def build_bench_model(preset: str, seed: int) -> Path:
-    """The bench model under $MOLT_CACHE_DIR, keyed by the generator's source hash; built in a
-    temporary sibling and renamed into place so a crashed run leaves nothing half-written."""
-    generator = TOOLS_DIR / "make_tiny_model.py"
-    version = hashlib.sha256(generator.read_bytes()).hexdigest()[:10]
-    cache_root = Path(os.environ.get("MOLT_CACHE_DIR", Path.home() / ".cache" / "molt"))
-    target = cache_root / "bench" / f"model-{preset}-seed{seed}-{version}"
-    if target.is_dir():
-        return target
-    spec = importlib.util.spec_from_file_location("molt_tools_make_tiny_model", generator)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        tool.make_tiny_model(staging, preset=preset, seed=seed)
-        staging.chmod(0o755)
-        os.rename(staging, target)
-    except OSError:
-        if not target.is_dir():  # not a lost race with another builder
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """The bench model, generated once into $MOLT_CACHE_DIR by the same cache the tests use."""
+    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
+                                                  TOOLS_DIR.parent / "tests" / "fixtures_models.py")
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    return fixtures.build_cached_tiny_model(preset=preset, seed=seed)
 
 
 # -- raw TCP baseline --------------------------------------------------------------------------
