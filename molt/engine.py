@@ -84,21 +84,14 @@ class RolloutEngine:
         return cls(llm, tokenizer)
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                    top_p=sampling.top_p, logprobs=0, detokenize=False)
-        version = self.policy_version
-        final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              request_id=f"molt-{next(self._request_ids)}"):
-            final = output
-        completion = final.outputs[0]
-        sampled = list(completion.token_ids)
-        logprobs = [float(step[token].logprob) for token, step in zip(sampled, completion.logprobs)]
+        """The whole generation at once: the stream's deltas joined."""
+        sampled, logprobs, version, finish_reason = [], [], self.policy_version, None
+        async for delta in self.stream(token_ids, sampling):
+            sampled += delta.token_ids
+            logprobs += delta.logprobs
+            version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
         return Generation(token_ids=sampled, logprobs=logprobs, policy_version=version,
-                          finish_reason=completion.finish_reason or "abort")
+                          finish_reason=finish_reason or "abort")
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
                      seed: int | None = None) -> AsyncIterator[GenerationDelta]:
