@@ -60,6 +60,10 @@ class AgentConfig:
     """Most Env steps per rollout; the rollout is truncated after it."""
     rollout_timeout_seconds: float = 300.0
     """Wall-clock limit of one rollout; past it the rollout fails with reason 'timeout'."""
+    on_failed_rollout: str = "drop_group"
+    """What a failed rollout does to its group: drop_group (drop the whole group) | refill (re-run it)."""
+    max_refills_per_group: int = 2
+    """refill only: replacement rollouts one group may get in a step; a group needing more is dropped."""
     max_concurrent_rollouts: int = 256
     """Rollouts one rollout rank runs at a time."""
     endpoint_host: str = "127.0.0.1"
@@ -286,6 +290,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
     check(bool(cfg.agent.path) and Path(cfg.agent.path).is_file(),
           f"agent.path={cfg.agent.path!r} is not a file: point it at a Python file defining AgentRunner")
     check(cfg.agent.max_turns >= 1, f"agent.max_turns={cfg.agent.max_turns}: need at least 1")
+    check(cfg.agent.on_failed_rollout in ("drop_group", "refill"),
+          f"agent.on_failed_rollout={cfg.agent.on_failed_rollout!r}: use drop_group or refill")
+    check(cfg.agent.max_refills_per_group >= 0,
+          f"agent.max_refills_per_group={cfg.agent.max_refills_per_group}: must be >= 0 (0 never refills)")
     check(rollout.prompts_per_step >= 1, f"rollout.prompts_per_step={rollout.prompts_per_step}: need at least 1")
     check(rollout.n_samples_per_prompt >= 1,
           f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: need at least 1")

@@ -1,5 +1,6 @@
 """The rollout controller (rank 0): owns the prompt stream, dispatches single rollouts to the
-rollout ranks, gathers complete groups, and assembles each step's batch.
+rollout ranks, refills or drops groups with a failed rollout, gathers complete groups, and
+assembles each step's batch.
 
 This is the synchronous controller: a step dispatches its prompts, waits for their groups and
 hands them to the trainer; refits happen with no rollout in flight.
@@ -13,7 +14,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from molt.config import MoltConfig
+from molt.agents.base import RolloutOutcome
+from molt.config import AgentConfig, MoltConfig
 from molt.dataset import build_prompt_loader
 from molt.experience import Experience
 from molt.rollout import decode_outcome
@@ -33,7 +35,8 @@ class StepRollouts:
     groups: list[list[Experience]]  # each inner list: every segment of every rollout of one prompt
     failures: Counter = field(default_factory=Counter)  # failed rollouts by reason
     dropped_groups: int = 0
-    num_rollouts: int = 0
+    refilled_rollouts: int = 0  # replacement rollouts dispatched for failed ones (agent.on_failed_rollout='refill')
+    num_rollouts: int = 0  # rollouts run, refills included
     ledger: Counter = field(default_factory=Counter)  # ChatAgent turns by how they joined a segment
 
 
@@ -94,45 +97,51 @@ class RolloutController:
             return next(self._prompts)
 
     def collect_step(self, policy_version: int) -> StepRollouts:
-        """Dispatch one step's prompts as single rollouts and wait until each has finished."""
+        """Dispatch one step's prompts as single rollouts and wait until each has finished. Under
+        agent.on_failed_rollout='refill' a failed rollout is re-run, so its group stays complete."""
         cfg = self.cfg
+        requests: dict[int, dict] = {}  # by rollout_id; a refill re-sends one with a new id
         group_sizes: dict[int, int] = {}
         for row in self.next_prompts():
             group_id = next(self._group_ids)
             group_sizes[group_id] = cfg.rollout.n_samples_per_prompt
             for sample_index in range(cfg.rollout.n_samples_per_prompt):
-                request = {
-                    "rollout_id": next(self._rollout_ids), "group_id": group_id, "sample_index": sample_index,
+                self.dispatch(requests, {
+                    "group_id": group_id, "sample_index": sample_index,
                     "messages": row.messages, "label": row.label, "tools": row.tools,
                     "sampling": {"max_tokens": cfg.rollout.max_response_tokens,
                                  "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p},
                     "max_length": cfg.rollout.max_length, "max_turns": cfg.agent.max_turns,
                     "policy_version": policy_version, "metadata": row.metadata,
-                }
-                self.router.send(f"rollout-{next(self._next_rank)}", {"type": "rollout", "request": request})
-        num_rollouts = sum(group_sizes.values())
-        # Each rollout ends by itself within the rollout timeout; allow for queueing behind others.
+                })
+        # Each rollout ends by itself within the rollout timeout, so a longer silence (allowing for
+        # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
-        outcomes = [decode_outcome(m) for m in self.expect("outcome", num_rollouts, timeout, "rollouts")]
-        return self._gather_groups(outcomes, group_sizes)
-
-    def _gather_groups(self, outcomes, group_sizes: dict[int, int]) -> StepRollouts:
-        by_group = defaultdict(list)
-        result = StepRollouts(groups=[], num_rollouts=len(outcomes))
-        for outcome in outcomes:
-            by_group[outcome.group_id].append(outcome)
-            result.ledger.update(outcome.ledger)
-        for group_id in group_sizes:
-            members = by_group[group_id]
-            failed = [o for o in members if o.failure]
-            for outcome in failed:
-                result.failures[outcome.failure] += 1
-                logger.warning("rollout %d failed (%s): %s", outcome.rollout_id, outcome.failure, outcome.error)
-            if failed:
-                result.dropped_groups += 1  # a group with a hole would bias its baseline
+        outcomes, refills = [], Counter()  # refills: by group_id
+        while len(outcomes) < len(requests):
+            what = f"rollouts ({len(outcomes)} of {len(requests)} back)"
+            outcome = decode_outcome(self.expect("outcome", 1, timeout, what)[0])
+            outcomes.append(outcome)
+            if not outcome.failure:
                 continue
-            result.groups.append([e for o in sorted(members, key=lambda o: o.rollout_id) for e in o.experiences])
+            if should_refill(refills[outcome.group_id], cfg.agent):
+                refills[outcome.group_id] += 1
+                replacement = {**requests[outcome.rollout_id], "policy_version": policy_version}
+                fate = f"refilled as rollout {self.dispatch(requests, replacement)}"
+            else:
+                fate = "its group is dropped" + (" (agent.max_refills_per_group used up)"
+                                                 if cfg.agent.on_failed_rollout == "refill" else "")
+            logger.warning("rollout %d failed (%s): %s; %s", outcome.rollout_id, outcome.failure, outcome.error, fate)
+        result = gather_groups(outcomes, group_sizes)
+        result.refilled_rollouts = sum(refills.values())
         return result
+
+    def dispatch(self, requests: dict[int, dict], request: dict) -> int:
+        """Send one rollout request, under a fresh rollout_id, to the next rollout rank."""
+        request = {**request, "rollout_id": next(self._rollout_ids)}
+        requests[request["rollout_id"]] = request
+        self.router.send(f"rollout-{next(self._next_rank)}", {"type": "rollout", "request": request})
+        return request["rollout_id"]
 
     # -- refit and probes ------------------------------------------------------------------
 
@@ -143,3 +152,28 @@ class RolloutController:
 
     def shutdown(self) -> None:
         self.send_to_rollout_ranks({"type": "shutdown"})
+
+
+def should_refill(num_refills: int, agent: AgentConfig) -> bool:
+    """Whether a failed rollout is re-run, given the refills its group already had this step."""
+    return agent.on_failed_rollout == "refill" and num_refills < agent.max_refills_per_group
+
+
+def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -> StepRollouts:
+    """Keep each group with a successful rollout for every sample (a refill makes up for a failed
+    one); drop the rest, since a group with a hole would bias its baseline. Counts every failure."""
+    by_group = defaultdict(list)
+    result = StepRollouts(groups=[], num_rollouts=len(outcomes))
+    for outcome in outcomes:
+        result.ledger.update(outcome.ledger)
+        if outcome.failure:
+            result.failures[outcome.failure] += 1
+        else:
+            by_group[outcome.group_id].append(outcome)
+    for group_id, size in group_sizes.items():
+        members = sorted(by_group[group_id], key=lambda o: o.rollout_id)
+        if len(members) < size:
+            result.dropped_groups += 1
+            continue
+        result.groups.append([e for o in members for e in o.experiences])
+    return result

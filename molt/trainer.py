@@ -181,6 +181,7 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
         "rollout/num_rollouts": float(rollouts.num_rollouts),
         "rollout/num_groups": float(len(rollouts.groups)),
         "rollout/dropped_groups": float(rollouts.dropped_groups),
+        "rollout/refilled": float(rollouts.refilled_rollouts),
         "rollout/failed": float(sum(rollouts.failures.values())),
         "rollout/tokens": float(sum(e.num_tokens for e in experiences)),
         "rollout/response_length_mean": statistics.fmean(response_lengths) if response_lengths else math.nan,

@@ -81,6 +81,8 @@ def test_a_valid_config_passes(tmp_path):
     (lambda c: setattr(c.train, "max_tokens_per_micro_batch", 10), 2, "train.max_tokens_per_micro_batch=10"),
     (lambda c: setattr(c.metrics, "wandb_mode", "cloud"), 2, "metrics.wandb_mode='cloud'"),
     (lambda c: setattr(c.algorithm, "advantage_estimator", "ppo"), 2, "advantage_estimator='ppo'"),
+    (lambda c: setattr(c.agent, "on_failed_rollout", "retry"), 2, "on_failed_rollout='retry': use drop_group or refill"),
+    (lambda c: setattr(c.agent, "max_refills_per_group", -1), 2, "agent.max_refills_per_group=-1: must be >= 0"),
 ])
 def test_validation_names_the_field(tmp_path, change, world_size, expected):
     cfg = _valid_config(tmp_path)

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
-VARIED_REWARD_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
+FLAKY_AGENT = str(Path(__file__).parent / "agents" / "flaky_first_attempt.py")
 
 
 def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420) -> subprocess.CompletedProcess:
@@ -44,8 +44,11 @@ def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
 
 def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir, demo_data_dir):
     out = tmp_path / "run"
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{"agent.path": VARIED_REWARD_AGENT,
-                                                              "train.learning_rate": 1e-3})
+    # The flaky agent fails sample 0 of one group per step once (a refill makes the group whole) and
+    # of another group every time (its one refill fails too, so the group is dropped).
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": FLAKY_AGENT, "agent.on_failed_rollout": "refill", "agent.max_refills_per_group": 1,
+        "train.learning_rate": 1e-3})
     done = _torchrun(3, f"{DEMO}:two_trainers", sets)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -55,12 +58,28 @@ def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir,
         for key in ("reward/mean", "train/loss", "train/grad_norm", "time/step_seconds", "time/rollout",
                     "time/train", "time/refit", "throughput/tokens_per_second"):
             assert row[key] is not None and math.isfinite(row[key]), (key, row)
-        assert row["rollout/num_rollouts"] == 16
+        assert row["rollout/num_rollouts"] == 16 + 2
+        assert (row["rollout/num_groups"], row["rollout/dropped_groups"], row["rollout/refilled"]) == (3, 1, 2), row
+        assert row["rollout/failed"] == row["rollout/failed_agent_error"] == 3, row
         assert row["train/num_action_tokens"] > 0 and row["train/grad_norm"] > 0
     # The refit check ran before training (step 0) and after step 3; weights changed in between.
     checks = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
     assert len(checks) == 2 and all(gap <= 1e-4 for gap in checks), checks
     assert json.loads((out / "config.json").read_text())["layout"]["num_trainer_ranks"] == 2
+
+
+def test_failed_rollouts_drop_their_groups_by_default(tmp_path, tiny_model_dir, demo_data_dir):
+    out = tmp_path / "run"
+    done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": FLAKY_AGENT, "train.num_steps": 2, "refit.check_every_steps": 0}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # agent.on_failed_rollout='drop_group': both groups with a failure are dropped
+        assert (row["rollout/num_rollouts"], row["rollout/num_groups"], row["rollout/dropped_groups"],
+                row["rollout/refilled"], row["rollout/failed_agent_error"]) == (16, 2, 2, 0, 2), row
+        assert math.isfinite(row["train/loss"]) and math.isfinite(row["reward/mean"])
+    assert "failed (agent_error): RuntimeError: flaky agent" in done.stderr
 
 
 def test_multi_turn_env_recipe_runs(tmp_path, tiny_model_dir, demo_data_dir):
