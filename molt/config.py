@@ -68,6 +68,9 @@ class AgentConfig:
     """Rollouts one rollout rank runs at a time."""
     endpoint_host: str = "127.0.0.1"
     """Interface the ChatAgent session endpoint binds to (loopback: agents run on the same node)."""
+    share_tls_context: bool = True
+    """ChatAgents: SDK clients built per rollout share one default TLS context instead of loading the
+    CA bundle each time (~30-50 ms of CPU per client; see molt/agents/tls.py)."""
 
 
 @dataclass(kw_only=True)

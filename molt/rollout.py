@@ -18,6 +18,7 @@ import zmq.asyncio
 from molt.agents.base import RolloutOutcome, RolloutRequest, SamplingParams, load_agent_runner
 from molt.agents.chat import ChatAgentRunner
 from molt.agents.env import run_with_timeout
+from molt.agents.tls import share_default_tls_context
 from molt.config import MoltConfig
 from molt.endpoint.server import SessionEndpoint
 from molt.endpoint.template_check import find_prefix_breaks
@@ -68,6 +69,8 @@ class RolloutService:
             self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
             self.endpoint = None
             if isinstance(self.runner, ChatAgentRunner):
+                if self.cfg.agent.share_tls_context:
+                    share_default_tls_context()
                 for problem in find_prefix_breaks(self.engine.tokenizer):
                     logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "
                                    "(counted as drift/template_rewrite)", problem)
