@@ -84,9 +84,9 @@ class RolloutEngine:
         return cls(llm, tokenizer)
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
-        """The whole generation at once: the stream's deltas joined."""
+        """The whole generation at once (one engine output, not one per step)."""
         sampled, logprobs, version, finish_reason = [], [], self.policy_version, None
-        async for delta in self.stream(token_ids, sampling):
+        async for delta in self.stream(token_ids, sampling, incremental=False):
             sampled += delta.token_ids
             logprobs += delta.logprobs
             version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
@@ -94,16 +94,17 @@ class RolloutEngine:
                           finish_reason=finish_reason or "abort")
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
-                     seed: int | None = None) -> AsyncIterator[GenerationDelta]:
-        """Generate, yielding what each engine step added. Closing the iterator early (e.g. the
-        HTTP client went away) aborts the engine request."""
+                     seed: int | None = None, incremental: bool = True) -> AsyncIterator[GenerationDelta]:
+        """Generate, yielding what each engine step added (`incremental`), or everything as one
+        delta at the end, which spares the per-step outputs when no one reads them as they come.
+        Closing the iterator early (e.g. the HTTP client went away) aborts the engine request."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, logprobs=0, stop=stop, seed=seed,
-                                    output_kind=RequestOutputKind.DELTA)
+                                    output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY)
         version = self.policy_version
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
                                               request_id=f"molt-stream-{next(self._request_ids)}"):

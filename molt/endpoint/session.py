@@ -85,24 +85,24 @@ class Session:
         self.ledger = DriftLedger()
         self._recorded: list[dict] = []  # normalized messages of the current segment, with the last reply
         self._recorded_tools: list[dict] | None = None
-        self._last_key: str | None = None
+        self._last_key: tuple | None = None  # (messages, tools, sampling) of the last request
         self._last_reply: Reply | None = None
 
     # -- the two entry points ---------------------------------------------------------------
 
     async def complete(self, messages: list[dict], tools: list[dict] | None, sampling: Sampling) -> Reply:
+        """The whole reply at once."""
         reply = None
-        async for item in self.stream(messages, tools, sampling):
-            if isinstance(item, Reply):
-                reply = item
+        async for item in self.stream(messages, tools, sampling, incremental=False):
+            reply = item
         return reply
 
-    async def stream(self, messages: list[dict], tools: list[dict] | None,
-                     sampling: Sampling) -> AsyncIterator[str | Reply]:
-        """Yield content deltas as they are generated, then the final Reply."""
+    async def stream(self, messages: list[dict], tools: list[dict] | None, sampling: Sampling, *,
+                     incremental: bool = True) -> AsyncIterator[str | Reply]:
+        """Yield content deltas as they are generated (if `incremental`), then the final Reply."""
         normalized = normalize_messages(messages)
         tools = tools or None
-        key = json.dumps([normalized, tools, sampling.__dict__], sort_keys=True)
+        key = (normalized, tools, sampling)
         if key == self._last_key and self._last_reply is not None:
             self.ledger.counts["retry"] += 1  # an identical retry: the cached reply, nothing recorded
             yield self._last_reply
@@ -119,13 +119,15 @@ class Session:
         sampled, logprobs, text, finish_reason, version, shown = [], [], "", None, 0, 0
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.
-        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, stop=sampling.stop,
-                                                          seed=sampling.seed)) as deltas:
+        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, stop=sampling.stop, seed=sampling.seed,
+                                                          incremental=incremental)) as deltas:
             async for delta in deltas:
                 sampled += delta.token_ids
                 logprobs += delta.logprobs
                 text += delta.text
                 version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
+                if not incremental:
+                    continue
                 visible = text.split(TOOL_CALL_MARKER, 1)[0]
                 # Hold back a possible partial marker at the end, so markup never reaches the client.
                 safe = len(visible) if TOOL_CALL_MARKER in text else _safe_prefix_length(visible)
@@ -135,7 +137,7 @@ class Session:
         if finish_reason not in ("stop", "length"):
             raise RequestError(503, f"generation ended with {finish_reason!r}; retry the request", "api_error")
         visible = text.split(TOOL_CALL_MARKER, 1)[0]
-        if len(visible) > shown:
+        if incremental and len(visible) > shown:
             yield visible[shown:]
         content, tool_calls = parse_tool_calls(text) if TOOL_CALL_MARKER in text else (text, [])
         segment = base.copy() if base else Segment()
