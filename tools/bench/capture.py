@@ -3,29 +3,28 @@ the real OpenAI SDK, side by side with the same prompts sent straight to the sam
 (PERF.md). Everything runs on one event loop against one real vLLM CPU engine started through Molt.
 
 Paths (each rollout has a fixed sampling seed, so every path generates the same work):
-- direct: render the chat template to token ids and consume `RolloutEngine.stream` (what the
-  endpoint itself calls);
+- direct: render the chat template to token ids and run them through `RolloutEngine.stream` with
+  one output at the end (what the endpoint itself calls for a non-streaming request);
 - endpoint: open a session, build one `AsyncOpenAI` for it (as agents do), send one
-  `chat.completions.create`, close the client and the session;
-- endpoint_shared_tls (diagnostic): the same, but the per-rollout client is given an httpx client
-  built on one shared SSL context. The SDK otherwise loads the CA bundle on every client
-  construction, even for a plain-http base_url; this path shows what is left without that;
+  `chat.completions.create`, close the client and the session. The process shares one default
+  TLS context between SDK clients, as Molt's rollout ranks do (`molt.agents.tls`);
 - endpoint_raw_http (diagnostic): a session per rollout, but the request is plain JSON over one
   shared keep-alive aiohttp client, no SDK: what the endpoint itself (HTTP server, session,
   template, JSON) adds to the direct path.
 
 One run prints one JSON line per figure, then the command that produced them:
-- capture_rollouts_per_second: medians over rounds run A B C D, D C B A ... after a warm-up
-  round (target endpoint / direct >= 0.95; the diagnostic paths' ratios alongside);
+- capture_rollouts_per_second: medians over rounds run A B C, C B A ... after a warm-up round
+  (target endpoint / direct >= 0.95; the diagnostic path's ratio alongside);
 - capture_generated_tokens: prompt and completion tokens per path, to show the work was equal;
-- capture_latency_p50_ms: per-rollout latency at the same concurrency (target added <= 1 ms);
+- capture_latency_p50_ms: per-rollout latency at the same concurrency;
 - capture_sequential_latency_p50_ms: the same at concurrency 1, paths interleaved request by
-  request, so queueing does not hide the endpoint's own overhead;
+  request, so queueing does not hide the endpoint's own overhead (target added <= 1 ms);
 - capture_front_process_cpu_ms_per_rollout: CPU time of this process (event loop: SDK, endpoint,
   vLLM's front end; not the engine core) per rollout, per path;
-- capture_sdk_client_construction_ms: p50 time to build one AsyncOpenAI, per client flavour.
+- capture_sdk_client_construction_ms: p50 time to build one AsyncOpenAI with the SDK's own
+  per-client CA loading and with Molt's shared default TLS context.
 
-    python tools/bench/capture.py [--rollouts 256] [--concurrency 32] [--max-tokens 16] [--rounds 2]
+    python tools/bench/capture.py [--rollouts 256] [--concurrency 32] [--max-tokens 16 128] [--rounds 3]
 """
 
 import argparse
@@ -35,7 +34,6 @@ import json
 import os
 import random
 import shlex
-import ssl
 import statistics
 import sys
 import time
@@ -95,16 +93,15 @@ async def run_direct(engine, messages: list[dict], seed: int, max_tokens: int) -
     sampling = SamplingParams(max_tokens=min(max_tokens, MAX_LENGTH - len(prompt_ids)), temperature=1.0)
     request_started = time.perf_counter()
     num_generated = 0
-    async for delta in engine.stream(prompt_ids, sampling, seed=seed):
+    async for delta in engine.stream(prompt_ids, sampling, seed=seed, incremental=False):
         num_generated += len(delta.token_ids)
     finished = time.perf_counter()
     return RolloutTiming(rollout_seconds=finished - started, request_seconds=finished - request_started,
                          client_seconds=0.0, prompt_tokens=len(prompt_ids), completion_tokens=num_generated)
 
 
-async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: int,
-                       shared_tls: ssl.SSLContext | None) -> RolloutTiming:
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
+    from openai import AsyncOpenAI
 
     from molt.agents.base import SamplingParams
 
@@ -113,9 +110,7 @@ async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: in
                                     max_length=MAX_LENGTH)
     try:
         client_started = time.perf_counter()
-        http_client = DefaultAsyncHttpxClient(verify=shared_tls) if shared_tls is not None else None
-        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0,
-                             http_client=http_client)
+        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         request_started = time.perf_counter()
         try:
             completion = await client.chat.completions.create(
@@ -154,12 +149,9 @@ async def run_raw_http(endpoint, http, messages: list[dict], seed: int, max_toke
 
 
 def build_paths(engine, endpoint, http) -> dict[str, Callable[[list[dict], int, int], Awaitable[RolloutTiming]]]:
-    shared_tls = ssl.create_default_context()
     return {
         "direct": lambda messages, seed, max_tokens: run_direct(engine, messages, seed, max_tokens),
-        "endpoint": lambda messages, seed, max_tokens: run_endpoint(endpoint, messages, seed, max_tokens, None),
-        "endpoint_shared_tls": lambda messages, seed, max_tokens: run_endpoint(
-            endpoint, messages, seed, max_tokens, shared_tls),
+        "endpoint": lambda messages, seed, max_tokens: run_endpoint(endpoint, messages, seed, max_tokens),
         "endpoint_raw_http": lambda messages, seed, max_tokens: run_raw_http(
             endpoint, http, messages, seed, max_tokens),
     }
@@ -194,7 +186,7 @@ async def run_round(path, workload: Workload, num_rollouts: int, concurrency: in
 
 
 async def run_concurrent(paths, workload: Workload, args) -> dict[str, list[Round]]:
-    """A warm-up round of each path, then `args.rounds` timed rounds ordered A B C D, D C B A, ..."""
+    """A warm-up round of each path, then `args.rounds` timed rounds ordered A B C, C B A, ..."""
     names = list(paths)
     for name in names:
         await run_round(paths[name], workload, min(args.rollouts, 2 * args.concurrency), args.concurrency)
@@ -232,9 +224,9 @@ def added_latency(latency: dict[str, float]) -> dict:
                                     if name not in ("direct", "endpoint")}}
 
 
-def report_concurrent(rounds: dict[str, list[Round]], args) -> None:
+def report_concurrent(rounds: dict[str, list[Round]], args, max_tokens: int) -> None:
     rates = {name: statistics.median(r.rollouts_per_second for r in runs) for name, runs in rounds.items()}
-    setting = {"rollouts": args.rollouts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+    setting = {"rollouts": args.rollouts, "concurrency": args.concurrency, "max_tokens": max_tokens,
                "rounds": args.rounds}
     emit({"figure": "capture_rollouts_per_second", **{name: round(rate, 2) for name, rate in rates.items()},
           "ratio": round(rates["endpoint"] / rates["direct"], 3), "target_ratio": 0.95,
@@ -242,7 +234,7 @@ def report_concurrent(rounds: dict[str, list[Round]], args) -> None:
                                 if name not in ("direct", "endpoint")},
           "all": {name: [round(r.rollouts_per_second, 2) for r in runs] for name, runs in rounds.items()},
           **setting})
-    emit({"figure": "capture_generated_tokens",
+    emit({"figure": "capture_generated_tokens", "max_tokens": max_tokens,
           "completion_tokens_per_round": {name: [sum(t.completion_tokens for t in r.rollouts) for r in runs]
                                           for name, runs in rounds.items()},
           "prompt_tokens_per_round": {name: [sum(t.prompt_tokens for t in r.rollouts) for r in runs]
@@ -258,16 +250,39 @@ def report_concurrent(rounds: dict[str, list[Round]], args) -> None:
              for name, runs in rounds.items()}, **setting})
 
 
-def report_sequential(timings: dict[str, list[RolloutTiming]]) -> None:
+def report_sequential(timings: dict[str, list[RolloutTiming]], max_tokens: int) -> None:
+    """Added latency = p50 of the per-request differences to the direct run of the same prompt and
+    seed right before it (paired, so the engine's own step-time noise mostly cancels)."""
     latency = {name: p50_ms([t.rollout_seconds for t in runs]) for name, runs in timings.items()}
     request = {name: p50_ms([t.request_seconds for t in runs]) for name, runs in timings.items()}
-    emit({"figure": "capture_sequential_latency_p50_ms", **latency,
-          **added_latency(latency), "target_added_ms": 1.0, "request_only": request,
+    added = {name: p50_ms([t.rollout_seconds - d.rollout_seconds for t, d in zip(runs, timings["direct"])])
+             for name, runs in timings.items() if name != "direct"}
+    emit({"figure": "capture_sequential_latency_p50_ms", "max_tokens": max_tokens, **latency,
+          "added_ms": added["endpoint"], "target_added_ms": 1.0,
+          "diagnostic_added_ms": {name: value for name, value in added.items() if name != "endpoint"},
+          "request_only": request,
           "completion_tokens": {name: sum(t.completion_tokens for t in runs) for name, runs in timings.items()},
           "requests": len(timings["direct"])})
-    emit({"figure": "capture_sdk_client_construction_ms",
-          "default": p50_ms([t.client_seconds for t in timings["endpoint"]]),
-          "shared_tls": p50_ms([t.client_seconds for t in timings["endpoint_shared_tls"]])})
+
+
+def measure_client_construction(repeats: int = 20) -> dict:
+    """p50 ms to build one AsyncOpenAI, before and after Molt shares the default TLS context."""
+    from openai import AsyncOpenAI
+
+    from molt.agents.tls import share_default_tls_context
+
+    def p50_construction() -> float:
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused")
+            seconds.append(time.perf_counter() - started)
+        return p50_ms(seconds)
+
+    sdk_default = p50_construction()
+    share_default_tls_context()
+    return {"figure": "capture_sdk_client_construction_ms", "sdk_default": sdk_default,
+            "shared_tls_context": p50_construction()}
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -279,6 +294,7 @@ async def run_benchmark(args, model_dir: Path) -> None:
     from molt.endpoint.server import SessionEndpoint
     from molt.engine import RolloutEngine
 
+    emit(measure_client_construction())  # also installs the shared context, as rollout ranks do
     cfg = MoltConfig()
     cfg.model.path = str(model_dir)
     cfg.rollout.max_length = MAX_LENGTH
@@ -288,9 +304,10 @@ async def run_benchmark(args, model_dir: Path) -> None:
     try:
         await endpoint.start()
         paths = build_paths(engine, endpoint, http)
-        workload = build_workload(args.rollouts, args.max_tokens, args.seed)
-        report_concurrent(await run_concurrent(paths, workload, args), args)
-        report_sequential(await run_sequential(paths, workload, args.sequential_requests))
+        for max_tokens in args.max_tokens:
+            workload = build_workload(args.rollouts, max_tokens, args.seed)
+            report_concurrent(await run_concurrent(paths, workload, args), args, max_tokens)
+            report_sequential(await run_sequential(paths, workload, args.sequential_requests), max_tokens)
     finally:
         await http.close()
         await endpoint.stop()
@@ -301,13 +318,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=256, help="rollouts per timed round and path")
     parser.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at once")
-    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each request")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per path (after one warm-up)")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[16, 128],
+                        help="max_tokens of each request; one set of figures per value")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per path (after one warm-up)")
     parser.add_argument("--sequential-requests", type=int, default=48,
                         help="requests per path at concurrency 1")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     args = parser.parse_args()
-    if min(args.rollouts, args.concurrency, args.max_tokens, args.rounds, args.sequential_requests) < 1:
+    if min(args.rollouts, args.concurrency, *args.max_tokens, args.rounds, args.sequential_requests) < 1:
         raise SystemExit("--rollouts, --concurrency, --max-tokens, --rounds and --sequential-requests "
                          "must be at least 1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the JSON lines readable
