@@ -66,7 +66,7 @@ def tool_agent() -> MoltConfig:
     cfg.rollout.max_response_tokens = 24
     cfg.rollout.max_length = 512
     cfg.train.learning_rate = 3e-4
-    cfg.train.num_steps = 160
+    cfg.train.num_steps = 300
     return cfg
 
 
