@@ -1,6 +1,45 @@
 """The RL math: pure functions over tensors (DESIGN section 8)."""
 
-from molt.objectives.advantages import compute_grpo_advantages
-from molt.objectives.policy_loss import compute_ppo_clip_loss
+from molt.objectives.advantages import (
+    compute_dr_grpo_advantages,
+    compute_gae_advantages,
+    compute_group_mean_advantages,
+    compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_rloo_advantages,
+    whiten,
+)
+from molt.objectives.kl import (
+    AdaptiveKLController,
+    compute_kl_estimate,
+    compute_kl_loss,
+    compute_kl_reward_penalty,
+)
+from molt.objectives.policy_loss import (
+    check_importance_options,
+    compute_entropy_bonus,
+    compute_importance_weights,
+    compute_ppo_clip_loss,
+    token_entropy_from_logits,
+)
+from molt.objectives.value_loss import compute_value_loss
 
-__all__ = ["compute_grpo_advantages", "compute_ppo_clip_loss"]
+__all__ = [
+    "AdaptiveKLController",
+    "check_importance_options",
+    "compute_dr_grpo_advantages",
+    "compute_entropy_bonus",
+    "compute_gae_advantages",
+    "compute_group_mean_advantages",
+    "compute_grpo_advantages",
+    "compute_importance_weights",
+    "compute_kl_estimate",
+    "compute_kl_loss",
+    "compute_kl_reward_penalty",
+    "compute_ppo_clip_loss",
+    "compute_reinforce_pp_advantages",
+    "compute_rloo_advantages",
+    "compute_value_loss",
+    "token_entropy_from_logits",
+    "whiten",
+]

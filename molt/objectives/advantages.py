@@ -1,9 +1,128 @@
-"""Advantage estimators over per-rollout rewards (DESIGN section 8)."""
+"""Advantage estimators (DESIGN section 8).
+
+Group estimators take one reward per rollout (a rollout with several segments counts once) and
+return one advantage per rollout. Token estimators take right-padded [batch, seq] rows and return
+one advantage per token, 0 off the action tokens; each row is one episode that ends at its last
+action token, and observation tokens between action ranges are skipped, not episode ends.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+
+class _Groups(NamedTuple):
+    """Each rollout's view of its group, in float64."""
+
+    rewards: Tensor  # [num_rollouts] float64
+    index: Tensor  # [num_rollouts] long, group of each rollout in 0..num_groups-1
+    num_groups: int
+    size: Tensor  # [num_rollouts] float64, number of rollouts in this rollout's group
+    total: Tensor  # [num_rollouts] float64, sum of rewards in this rollout's group
+    constant: Tensor  # [num_rollouts] bool, all rewards in this rollout's group are equal
+
+
+def _sum_by_group(values: Tensor, index: Tensor, num_groups: int) -> Tensor:
+    """[num_rollouts] -> [num_rollouts]: the sum of `values` over each rollout's group."""
+    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
+    return sums.index_add_(0, index, values)[index]
+
+
+def _collect_groups(rewards: Tensor, group_ids: Tensor) -> _Groups:
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards and group_ids must both be 1-D of the same length, got shapes "
+            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    unique_ids, index = torch.unique(group_ids, return_inverse=True)
+    num_groups = unique_ids.numel()
+    values = rewards.to(torch.float64)
+    lowest = torch.full((num_groups,), torch.inf, dtype=torch.float64, device=values.device)
+    lowest = lowest.scatter_reduce(0, index, values, "amin")
+    highest = torch.full_like(lowest, -torch.inf).scatter_reduce(0, index, values, "amax")
+    return _Groups(
+        rewards=values,
+        index=index,
+        num_groups=num_groups,
+        size=_sum_by_group(torch.ones_like(values), index, num_groups),
+        total=_sum_by_group(values, index, num_groups),
+        constant=(lowest == highest)[index],
+    )
+
+
+def _zero_where(condition: Tensor, advantages: Tensor, dtype: torch.dtype) -> Tensor:
+    # Constant groups carry no learning signal; computing them through the mean would leave
+    # rounding noise instead of an exact 0.
+    return torch.where(condition, torch.zeros_like(advantages), advantages).to(dtype)
+
+
+def compute_group_mean_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Group-mean baseline: each reward minus the mean reward of its group.
+
+    The REINFORCE baseline (Williams 1992) estimated from the group of samples of one prompt, as
+    in GRPO without the std division; identical to Dr. GRPO's advantage (Liu et al. 2025,
+    arXiv:2503.20783). The rollout's own reward is in the mean, so the estimate is biased by a
+    factor (n - 1) / n against RLOO. A constant group, including a group of one, gets exactly 0.
+
+    Args:
+        rewards: [num_rollouts] one reward per rollout (count each rollout once, not per segment).
+        group_ids: [num_rollouts] long, any values; rollouts with the same id form a group.
+
+    Returns:
+        [num_rollouts] advantages, same dtype as `rewards`.
+    """
+    groups = _collect_groups(rewards, group_ids)
+    advantages = groups.rewards - groups.total / groups.size
+    return _zero_where(groups.constant, advantages, rewards.dtype)
+
+
+def compute_dr_grpo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Dr. GRPO advantages: each reward minus its group's mean, with no std division.
+
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
+    (arXiv:2503.20783): dividing by the group std up-weights prompts that are nearly
+    always solved or always failed. Their other change, dropping the per-response length
+    normalisation, belongs to the loss (DESIGN section 8 divides by the window's token count).
+    Same values as `compute_group_mean_advantages`; a constant group gets exactly 0.
+
+    Args:
+        rewards: [num_rollouts] one reward per rollout (count each rollout once, not per segment).
+        group_ids: [num_rollouts] long, any values; rollouts with the same id form a group.
+
+    Returns:
+        [num_rollouts] advantages, same dtype as `rewards`.
+    """
+    return compute_group_mean_advantages(rewards, group_ids)
+
+
+def compute_rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO advantages: each reward minus the mean reward of the other rollouts of its group.
+
+    REINFORCE Leave-One-Out: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for
+    Free!" (ICLR DeepRLStructPred workshop); Ahmadian et al. 2024, "Back to Basics: Revisiting
+    REINFORCE Style Optimization for Learning from Human Feedback in LLMs" (arXiv:2402.14740).
+    The baseline excludes the rollout itself, so it is unbiased; it equals
+    n / (n - 1) times the group-mean advantage.
+
+    A constant group of two or more gets exactly 0. A group of one has no other rollout to
+    baseline against and keeps its reward unchanged (baseline 0).
+
+    Args:
+        rewards: [num_rollouts] one reward per rollout (count each rollout once, not per segment).
+        group_ids: [num_rollouts] long, any values; rollouts with the same id form a group.
+
+    Returns:
+        [num_rollouts] advantages, same dtype as `rewards`.
+    """
+    groups = _collect_groups(rewards, group_ids)
+    has_others = groups.size > 1
+    others_mean = (groups.total - groups.rewards) / (groups.size - 1).clamp(min=1)
+    baseline = torch.where(has_others, others_mean, torch.zeros_like(others_mean))
+    advantages = groups.rewards - baseline
+    return _zero_where(groups.constant & has_others, advantages, rewards.dtype)
 
 
 def compute_grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 1e-6) -> Tensor:
@@ -25,27 +144,186 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 
     Returns:
         [num_rollouts] advantages, same dtype as `rewards`.
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+    groups = _collect_groups(rewards, group_ids)
+    centered = groups.rewards - groups.total / groups.size
+    squares = _sum_by_group(centered.square(), groups.index, groups.num_groups)
+    std = (squares / (groups.size - 1).clamp(min=1)).sqrt()  # [num_rollouts], 0 for a group of one
+    return _zero_where(groups.constant, centered / (std + eps), rewards.dtype)
+
+
+def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
+    """Shift and scale `values` to mean 0 and std 1 over the tokens where `mask` is set.
+
+    (values - mean) / (std + eps), with mean and std over the masked entries only and std the
+    population std (divide by the count, not count - 1: the masked tokens are the whole batch
+    being normalised, not a sample of it). Entries off the mask come back 0 whatever they held;
+    if every masked entry is equal (or none is masked) all come back exactly 0.
+
+    Args:
+        values: [...] any shape.
+        mask: [...] same shape; nonzero where the entry counts.
+
+    Returns:
+        [...] whitened values, same dtype as `values`.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values and mask must have the same shape, got {tuple(values.shape)} "
+                         f"and {tuple(mask.shape)}")
+    if values.numel() == 0:
+        return values.clone()
+    selected = mask > 0
+    x = values.to(torch.float64)
+    zeros = torch.zeros_like(x)
+    count = selected.sum().clamp(min=1)
+    mean = torch.where(selected, x, zeros).sum() / count
+    centered = torch.where(selected, x - mean, zeros)
+    std = (centered.square().sum() / count).sqrt()
+    highest = torch.where(selected, x, zeros - torch.inf).amax()
+    lowest = torch.where(selected, x, zeros + torch.inf).amin()
+    whitened = torch.where(highest == lowest, zeros, centered / (std + eps))
+    return whitened.to(values.dtype)
+
+
+def _check_token_shapes(
+    rewards: Tensor, action_mask: Tensor, **token_tensors: Tensor | None
+) -> None:
+    if action_mask.dim() != 2 or rewards.shape != action_mask.shape[:1]:
         raise ValueError(
-            f"rewards and group_ids must both be 1-D of the same length, got shapes "
-            f"{tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+            f"rewards must be [batch] and action_mask [batch, seq], got shapes "
+            f"{tuple(rewards.shape)} and {tuple(action_mask.shape)}"
         )
-    if rewards.numel() == 0:
-        return rewards.clone()
-    _, group_index = torch.unique(group_ids, return_inverse=True)  # [num_rollouts] in 0..G-1
-    num_groups = int(group_index.max()) + 1
-    values = rewards.to(torch.float64)
+    for name, tensor in token_tensors.items():
+        if tensor is not None and tensor.shape != action_mask.shape:
+            raise ValueError(f"{name} must be [batch, seq] like action_mask "
+                             f"{tuple(action_mask.shape)}, got {tuple(tensor.shape)}")
 
-    counts = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device)
-    counts.index_add_(0, group_index, torch.ones_like(values))
-    sums = torch.zeros_like(counts).index_add_(0, group_index, values)
-    centered = values - (sums / counts)[group_index]
-    squares = torch.zeros_like(counts).index_add_(0, group_index, centered.square())
-    std = (squares / (counts - 1).clamp(min=1)).sqrt()  # [num_groups], 0 for a group of one
 
-    group_max = torch.full_like(counts, -torch.inf).scatter_reduce(0, group_index, values, "amax")
-    group_min = torch.full_like(counts, torch.inf).scatter_reduce(0, group_index, values, "amin")
-    constant = (group_max == group_min)[group_index]
+def _build_token_rewards(
+    rewards: Tensor, action: Tensor, token_kl: Tensor | None, kl_coef: float
+) -> Tensor:
+    """[batch, seq] float64: -kl_coef * token_kl on action tokens, plus each row's reward on its
+    last action token. A row with no action token has nowhere to put its reward and drops it."""
+    zeros = torch.zeros(action.shape, dtype=torch.float64, device=action.device)
+    kl = zeros if token_kl is None else token_kl.to(torch.float64)
+    token_rewards = torch.where(action, -kl_coef * kl, zeros)
+    is_last = action & (action.cumsum(dim=1) == action.sum(dim=1, keepdim=True))
+    return token_rewards + torch.where(is_last, rewards.to(torch.float64)[:, None], zeros)
 
-    advantages = centered / (std[group_index] + eps)
-    return torch.where(constant, torch.zeros_like(advantages), advantages).to(rewards.dtype)
+
+def _discounted_sum_over_actions(x: Tensor, action: Tensor, discount: float) -> Tensor:
+    """[batch, seq]: at each action token, sum over it and the later action tokens j of its row
+    of discount^(number of action tokens from it to j) * x_j; 0 off the action tokens."""
+    zeros = torch.zeros_like(x)
+    x = torch.where(action, x, zeros)
+    if discount == 1.0:
+        return torch.where(action, x.flip(1).cumsum(1).flip(1), zeros)
+    sums = torch.zeros_like(x)
+    running = x.new_zeros(x.shape[0])  # [batch] the sum from the next action token on
+    for t in reversed(range(x.shape[1])):
+        # An observation token leaves the running sum untouched: it is not an episode end.
+        running = torch.where(action[:, t], x[:, t] + discount * running, running)
+        sums[:, t] = running
+    return torch.where(action, sums, zeros)
+
+
+def compute_reinforce_pp_advantages(
+    rewards: Tensor,
+    action_mask: Tensor,
+    *,
+    gamma: float,
+    token_kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+) -> Tensor:
+    """REINFORCE++ advantages: whitened discounted returns of per-token rewards.
+
+    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models"
+    (arXiv:2501.03262). The per-token reward is -kl_coef * token_kl on every action
+    token plus the row's reward on its last action token; the return of an action token is the
+    gamma-discounted sum of the rewards of it and the later action tokens of its row, counting
+    only action tokens (an observation gap costs no discount). Returns are then whitened over all
+    action tokens passed in (`whiten`: population std), so pass the whole batch to match the
+    paper's batch normalisation.
+
+    Args:
+        rewards: [batch] the terminal reward of each row.
+        action_mask: [batch, seq] 1 where the policy sampled the token, 0 on observations and
+            padding.
+        gamma: discount per action token; 1 gives every token the undiscounted return.
+        token_kl: [batch, seq] per-token KL estimate to the reference policy; None: no penalty.
+        kl_coef: weight of the KL penalty in the reward.
+        eps: added to the std in the whitening.
+
+    Returns:
+        [batch, seq] advantages, 0 off the action tokens, same dtype as `rewards`.
+    """
+    _check_token_shapes(rewards, action_mask, token_kl=token_kl)
+    action = action_mask > 0
+    token_rewards = _build_token_rewards(rewards, action, token_kl, kl_coef)
+    returns = _discounted_sum_over_actions(token_rewards, action, gamma)
+    return whiten(returns, action, eps=eps).to(rewards.dtype)
+
+
+def compute_gae_advantages(
+    rewards: Tensor,
+    values: Tensor,
+    action_mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    token_kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    whiten_advantages: bool = True,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over the action tokens of each row, and the value targets.
+
+    Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
+    Estimation" (arXiv:1506.02438), eq. 16. Per action token k (in order along its row):
+    delta_k = r_k + gamma * V_{k+1} - V_k and A_k = delta_k + gamma * lam * A_{k+1}, where r_k is
+    the per-token reward of `compute_reinforce_pp_advantages` (KL penalty, plus the row's reward
+    on its last action token), V_{k+1} is the value at the row's next action token, across any
+    observation gap, and 0 after the last action token (episode end). With lam = 1 this is the
+    discounted return minus the value.
+
+    returns = advantages + values on the action tokens, from the advantages before whitening:
+    they are the critic's regression targets. `whiten_advantages` (default on, as in the common
+    PPO implementations) then whitens the advantages over all action tokens passed in.
+
+    Args:
+        rewards: [batch] the terminal reward of each row.
+        values: [batch, seq] critic value of each token's state (only action tokens are read).
+        action_mask: [batch, seq] 1 where the policy sampled the token, 0 on observations and
+            padding.
+        gamma: discount per action token.
+        lam: GAE lambda; 1 gives Monte-Carlo returns minus values, 0 gives one-step TD errors.
+        token_kl: [batch, seq] per-token KL estimate to the reference policy; None: no penalty.
+        kl_coef: weight of the KL penalty in the reward.
+        whiten_advantages: whiten the advantages over the masked tokens (`whiten`).
+        eps: added to the std in the whitening.
+
+    Returns:
+        (advantages, returns), both [batch, seq], 0 off the action tokens, same dtype as `rewards`.
+    """
+    _check_token_shapes(rewards, action_mask, values=values, token_kl=token_kl)
+    action = action_mask > 0
+    token_rewards = _build_token_rewards(rewards, action, token_kl, kl_coef)
+    zeros = torch.zeros_like(token_rewards)
+    current = torch.where(action, values.to(torch.float64), zeros)
+
+    # Index of each token's next action token in its row; seq_len (a 0 value) past the last one.
+    seq_len = action.shape[1]
+    positions = torch.arange(seq_len, device=action.device).expand_as(action)
+    action_positions = torch.where(action, positions, torch.full_like(positions, seq_len))
+    next_position = action_positions.flip(1).cummin(dim=1).values.flip(1)  # this or later
+    past_end = torch.full_like(next_position[:, :1], seq_len)
+    next_position = torch.cat([next_position[:, 1:], past_end], dim=1)  # strictly later
+    padded = torch.cat([current, torch.zeros_like(current[:, :1])], dim=1)  # [batch, seq + 1]
+    next_value = padded.gather(1, next_position)
+
+    deltas = token_rewards + gamma * next_value - current
+    advantages = _discounted_sum_over_actions(deltas, action, gamma * lam)
+    returns = torch.where(action, advantages + current, zeros)
+    if whiten_advantages:
+        advantages = whiten(advantages, action, eps=eps)
+    return advantages.to(rewards.dtype), returns.to(rewards.dtype)

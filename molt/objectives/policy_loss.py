@@ -1,54 +1,86 @@
-"""Policy-gradient losses over token tensors (DESIGN section 8)."""
+"""Policy-gradient losses over token tensors (DESIGN section 8).
+
+Every loss here is a masked SUM over action tokens divided by `denominator`, the number of action
+tokens in the whole optimizer window (all micro-batches, all data-parallel ranks). Summing the
+gradients of these terms over the window then gives the token-mean gradient however the window is
+split, and the statistics are masked sums that add across micro-batches and ranks.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 # exp(20) ~ 5e8: far past any clip range, still finite in bf16/fp32 when multiplied by an advantage.
 MAX_ABS_LOG_RATIO = 20.0
 
+ImportanceLevel = Literal["token", "seq", "geo"]
+ImportanceMode = Literal["mask", "clip", "trunc"]
+
 
 def compute_ppo_clip_loss(
     logprobs: Tensor,
-    behavior_logprobs: Tensor,
+    old_logprobs: Tensor,
     advantages: Tensor,
     action_mask: Tensor,
     *,
     clip_eps_low: float,
     clip_eps_high: float,
     denominator: float | Tensor,
+    dual_clip: float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate, summed over action tokens and divided by `denominator`.
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (arXiv:1707.06347), eq. 7;
-    asymmetric clip range ("clip-higher") from Yu et al. 2025, "DAPO" (arXiv:2503.14476).
+    asymmetric clip range ("clip-higher") from Yu et al. 2025, "DAPO" (arXiv:2503.14476); dual
+    clip from Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+    Learning" (arXiv:1912.09729), eq. 5.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A) with
-    ratio = exp(logprobs - behavior_logprobs). The log-ratio is clamped to +-MAX_ABS_LOG_RATIO
-    before exp so extreme gaps stay finite; past that range the token is clipped anyway.
+    Per token: w * -min(ratio * A, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A) with
+    ratio = exp(logprobs - old_logprobs). With `dual_clip` = c, a token with A < 0 loses at most
+    -c * A, so a huge ratio on a bad token cannot produce an unbounded step. The log-ratio is
+    clamped to +-MAX_ABS_LOG_RATIO before exp so extreme gaps stay finite; past that range the
+    token is clipped anyway.
 
-    `denominator` is the number of action tokens in the whole optimizer window (all micro-batches,
-    all data-parallel ranks), so summing this loss's gradients over the window gives the
-    token-mean gradient however the window is split.
+    `old_logprobs` is what the ratio is taken against: the behaviour log-probs recorded at
+    sampling time, or, in the decoupled design, the trainer's own log-probs of the same tokens
+    before this update, with `importance_weights` from `compute_importance_weights` correcting
+    for the gap to the behaviour policy. The weights multiply each token's term inside the sum
+    and never change `denominator`: a rejected token (weight 0) still counts in it.
 
     Args:
         logprobs: [...] trainer log-probs of each token (with grad).
-        behavior_logprobs: [...] log-probs recorded when the token was sampled.
+        old_logprobs: [...] log-probs the ratio is taken against (no grad).
         advantages: [...] advantage of each token (0 off the action tokens is fine).
         action_mask: [...] 1 where the token is a policy action, 0 elsewhere.
+        dual_clip: None, or c > 1: a negative-advantage token's loss is capped at -c * A.
+        importance_weights: None, or [...] per-token weights (no grad), 0 for rejected tokens.
 
     Returns:
         The scalar loss and statistics as masked sums over action tokens (they add across
         micro-batches and ranks): "action_tokens", "clipped_tokens" (the clipped term was taken),
-        "ratio_sum", "approx_kl_sum" (k3 estimator of KL(behavior || current)).
+        "dual_clipped_tokens" (the -c*A cap was taken), "ratio_sum", "approx_kl_sum" (k3
+        estimator of KL(old || current)).
     """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be None or greater than 1, got {dual_clip}")
     mask = action_mask > 0
-    log_ratio = (logprobs - behavior_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual_clipped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(dual_clipped, cap, per_token)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
     zeros = torch.zeros_like(per_token)
     loss = torch.where(mask, per_token, zeros).sum() / denominator
 
@@ -57,7 +89,169 @@ def compute_ppo_clip_loss(
         stats = {
             "action_tokens": maskf.sum(),
             "clipped_tokens": ((clipped > unclipped).to(per_token.dtype) * maskf).sum(),
+            "dual_clipped_tokens": (dual_clipped & mask).to(per_token.dtype).sum(),
             "ratio_sum": torch.where(mask, ratio, zeros).sum(),
             "approx_kl_sum": torch.where(mask, (ratio - 1) - log_ratio, zeros).sum(),
         }
     return loss, stats
+
+
+def compute_importance_weights(
+    old_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    level: ImportanceLevel,
+    mode: ImportanceMode,
+    low: float,
+    high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token weights correcting for the gap between the trainer's and the sampler's policy.
+
+    The inference engine samples from a slightly different distribution than the trainer computes
+    (other kernels, precision, batch shapes), so the tokens are off-policy for the trainer. Each
+    token's loss term is weighted by w, built from r = exp(old_logprobs - behavior_logprobs), the
+    ratio between the trainer's pre-update policy and the behaviour policy, without grad.
+
+    Level sets which ratio decides: "token" uses each token's r; "seq" the row's product of r over
+    its action tokens (sum of log-ratios); "geo" the row's geometric mean (mean of log-ratios).
+    Mode sets what is done with it:
+      - "trunc": w = min(r, high) (truncated importance sampling, TIS; `low` is unused).
+        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+        https://fengyao.notion.site/off-policy-rl
+      - "clip": w = clamp(r, low, high).
+      - "mask": a token (level "token") or a whole row ("seq", "geo") whose deciding ratio lies
+        outside [low, high] is rejected, w = 0. Each kept token carries its OWN token ratio
+        truncated at `high`, min(r, high) (the TIS weight; at level "token" a kept r is already
+        <= high). token+mask is IcePop (Ling Team 2025, "Every Step Evolves: Scaling
+        Reinforcement Learning for Trillion-Scale Thinking Model", arXiv:2510.18855); geo+mask
+        is seq-mask-tis (Liu, Li et al. 2025, "When Speed Kills Stability",
+        https://richardli.xyz/rl-collapse).
+    "seq" and "geo" accept only "mask": the row ratio only decides which rows to reject, since
+    weighting a row by one product of many token ratios has variance growing with its length.
+    Rows are the last dimension. Log-ratios are clamped to
+    +-MAX_ABS_LOG_RATIO per token, so any gap gives finite weights.
+
+    Args:
+        old_logprobs: [batch, seq] the trainer's log-probs of each token before the update.
+        behavior_logprobs: [batch, seq] log-probs recorded when the token was sampled.
+        action_mask: [batch, seq] 1 where the token is a policy action, 0 elsewhere.
+        low, high: the acceptance band (mask) or clamp range (clip); 0 <= low < high.
+
+    Returns:
+        [batch, seq] weights (no grad; 0 off the action tokens and on rejected tokens), and
+        statistics as masked sums over action tokens: "rejected_tokens", "kept_tokens",
+        "capped_tokens" (kept, but the weight differs from the token's r), "weight_sum",
+        "mismatch_kl_sum" (k3 estimator of KL(behaviour || trainer)).
+    """
+    check_importance_options(level=level, mode=mode, low=low, high=high)
+    with torch.no_grad():
+        mask = action_mask > 0
+        gap = (old_logprobs - behavior_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+        log_ratio = torch.where(mask, gap, torch.zeros_like(gap))  # [batch, seq], 0 off actions
+        ratio = torch.exp(log_ratio)
+        if mode == "trunc":
+            keep, weights = mask, ratio.clamp(max=high)
+        elif mode == "clip":
+            keep, weights = mask, ratio.clamp(low, high)
+        else:
+            # [batch, seq] at level token, [batch, 1] per row otherwise
+            deciding = torch.exp(_deciding_log_ratio(log_ratio, mask, level))
+            keep = mask & (deciding >= low) & (deciding <= high)
+            weights = ratio.clamp(max=high)
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+
+        maskf = mask.to(weights.dtype)
+        stats = {
+            "rejected_tokens": (mask & ~keep).to(weights.dtype).sum(),
+            "kept_tokens": keep.to(weights.dtype).sum(),
+            "capped_tokens": (keep & (weights != ratio)).to(weights.dtype).sum(),
+            "weight_sum": weights.sum(),
+            "mismatch_kl_sum": (((ratio - 1) - log_ratio) * maskf).sum(),
+        }
+    return weights, stats
+
+
+def _deciding_log_ratio(log_ratio: Tensor, mask: Tensor, level: ImportanceLevel) -> Tensor:
+    """The log-ratio that decides keep/reject: per token, or per row as [batch, 1]."""
+    if level == "token":
+        return log_ratio
+    row = log_ratio.sum(dim=-1, keepdim=True)
+    if level == "geo":
+        row = row / mask.sum(dim=-1, keepdim=True).clamp(min=1).to(row.dtype)
+    return row  # only compared with the band, so exp overflowing to inf (or 0) is harmless
+
+
+def check_importance_options(*, level: str, mode: str, low: float, high: float) -> None:
+    """Raise ValueError for an unknown or refused level/mode or an empty band."""
+    if level not in ("token", "seq", "geo"):
+        raise ValueError(f"importance level must be 'token', 'seq' or 'geo', got {level!r}")
+    if mode not in ("mask", "clip", "trunc"):
+        raise ValueError(f"importance mode must be 'mask', 'clip' or 'trunc', got {mode!r}")
+    if level != "token" and mode != "mask":
+        raise ValueError(
+            f"importance level {level!r} with mode {mode!r} is not supported: sequence-level "
+            f"ratios only decide rejection; use mode 'mask', or level 'token' for {mode!r}"
+        )
+    if not 0.0 <= low < high:
+        raise ValueError(f"importance band needs 0 <= low < high, got low={low}, high={high}")
+
+
+def token_entropy_from_logits(logits: Tensor, *, chunk_rows: int = 1024) -> Tensor:
+    """[...] entropy of softmax(logits) over the last (vocabulary) dimension, in float32 or wider.
+
+    H = logsumexp(z) - sum(softmax(z) * z), computed `chunk_rows` positions at a time. With grad,
+    each chunk is checkpointed: its [chunk_rows, vocab] softmax is recomputed in backward instead
+    of kept, so the extra memory is one chunk's temporaries, not another [batch, seq, vocab]
+    tensor per step. Logits must be finite (a -inf logit gives NaN).
+
+    Args:
+        logits: [..., vocab] logits (already divided by the sampling temperature).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])  # [positions, vocab]
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    pieces = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        chunk = flat[start : start + chunk_rows]
+        if needs_grad:
+            pieces.append(checkpoint(_entropy_of_rows, chunk, use_reentrant=False))
+        else:
+            pieces.append(_entropy_of_rows(chunk))
+    if not pieces:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return logits.new_zeros(logits.shape[:-1], dtype=dtype)
+    return torch.cat(pieces).reshape(logits.shape[:-1])
+
+
+def _entropy_of_rows(logits: Tensor) -> Tensor:
+    """[rows] entropy of each row of [rows, vocab] logits."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def compute_entropy_bonus(
+    entropy: Tensor,
+    action_mask: Tensor,
+    *,
+    coef: float,
+    denominator: float | Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The entropy bonus as a loss term: -coef * sum of action-token entropies / `denominator`.
+
+    Williams and Peng 1991, "Function Optimization Using Connectionist Reinforcement Learning
+    Algorithms"; as an added loss term in Mnih et al. 2016, "Asynchronous Methods for Deep
+    Reinforcement Learning" (arXiv:1602.01783). Adding it to the loss rewards a spread-out policy.
+
+    Args:
+        entropy: [...] entropy of the policy at each token (with grad), e.g. from
+            `token_entropy_from_logits`.
+        action_mask: [...] 1 where the token is a policy action, 0 elsewhere.
+
+    Returns:
+        The scalar term to add to the loss, and {"entropy_sum": masked sum of entropies}.
+    """
+    mask = action_mask > 0
+    masked = torch.where(mask, entropy, torch.zeros_like(entropy))
+    term = -coef * masked.sum() / denominator
+    return term, {"entropy_sum": masked.detach().sum()}

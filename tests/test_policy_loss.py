@@ -1,0 +1,400 @@
+import math
+
+import pytest
+import torch
+
+from molt.objectives.kl import compute_kl_loss
+from molt.objectives.policy_loss import (
+    MAX_ABS_LOG_RATIO,
+    compute_entropy_bonus,
+    compute_importance_weights,
+    compute_ppo_clip_loss,
+    token_entropy_from_logits,
+)
+
+VALID_COMBINATIONS = [
+    ("token", "trunc", 0.5, 1.3),  # low is unused by trunc
+    ("token", "clip", 0.8, 1.25),
+    ("token", "mask", 0.8, 1.25),
+    ("seq", "mask", 0.5, 2.0),
+    ("geo", "mask", 0.9, 1.1),
+]
+
+
+def clamp_log(value: float) -> float:
+    return min(max(value, -MAX_ABS_LOG_RATIO), MAX_ABS_LOG_RATIO)
+
+
+def naive_importance_weights(old, behavior, mask, level, mode, low, high):
+    """Row by row, token by token: the weights of `compute_importance_weights`."""
+    weights = []
+    for old_row, behavior_row, mask_row in zip(old, behavior, mask):
+        logs = [clamp_log(o - b) for o, b in zip(old_row, behavior_row)]
+        action_logs = [value for value, m in zip(logs, mask_row) if m]
+        row_log = sum(action_logs)
+        if level == "geo":
+            row_log /= max(len(action_logs), 1)
+        row_ratio = math.exp(clamp_log(row_log))
+        row = []
+        for value, m in zip(logs, mask_row):
+            ratio = math.exp(value)
+            if not m:
+                row.append(0.0)
+            elif mode == "trunc":
+                row.append(min(ratio, high))
+            elif mode == "clip":
+                row.append(min(max(ratio, low), high))
+            else:
+                deciding = ratio if level == "token" else row_ratio
+                row.append(min(ratio, high) if low <= deciding <= high else 0.0)
+        weights.append(row)
+    return weights
+
+
+def build_rows(seed: int, num_rows: int = 8, seq: int = 12):
+    """Variable-length rows: prompt (mask 0), actions (mask 1), right padding (mask 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(num_rows, seq, dtype=torch.float64)
+    for row in range(num_rows):
+        prompt = 1 + row % 3
+        end = seq - (row * 5) % 4
+        mask[row, prompt:end] = 1.0
+    old = -torch.rand(num_rows, seq, generator=generator, dtype=torch.float64) * 3
+    noise_scale = 0.1 * torch.arange(1, num_rows + 1, dtype=torch.float64).unsqueeze(1)
+    behavior = old + noise_scale * torch.randn(
+        num_rows, seq, generator=generator, dtype=torch.float64
+    )
+    return old, behavior, mask
+
+
+@pytest.mark.parametrize(("level", "mode", "low", "high"), VALID_COMBINATIONS)
+def test_importance_weights_match_naive_loop(level, mode, low, high):
+    old, behavior, mask = build_rows(seed=3)
+    weights, stats = compute_importance_weights(
+        old, behavior, mask, level=level, mode=mode, low=low, high=high
+    )
+    expected = torch.tensor(
+        naive_importance_weights(
+            old.tolist(), behavior.tolist(), mask.tolist(), level, mode, low, high
+        ),
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=0.0)
+
+    action = mask > 0
+    kept = action & (expected > 0)
+    ratio = torch.exp(old - behavior)
+    assert stats["kept_tokens"].item() == kept.sum().item()
+    assert stats["rejected_tokens"].item() == (action & ~kept).sum().item()
+    assert math.isclose(stats["weight_sum"].item(), expected.sum().item(), rel_tol=1e-12)
+    k3 = (ratio - 1) - (old - behavior)
+    assert math.isclose(stats["mismatch_kl_sum"].item(), (k3 * mask).sum().item(), rel_tol=1e-12)
+    capped = kept & ((expected - ratio).abs() > 1e-12)
+    assert stats["capped_tokens"].item() == capped.sum().item()
+    if mode == "mask":
+        assert 0 < stats["rejected_tokens"].item() < action.sum().item(), (
+            "inputs should reject some, keep some"
+        )
+    else:
+        assert stats["capped_tokens"].item() > 0, "inputs should exercise the truncation"
+
+
+def test_sequence_masks_decide_per_row_and_keep_truncated_token_weights():
+    # Row 0 log-ratios 0.3, -0.2, 0.5 (sum 0.6, mean 0.2); row 1: 0.05, 0.05 then a masked token.
+    old = torch.tensor([[0.3, -0.2, 0.5], [0.05, 0.05, 9.0]], dtype=torch.float64)
+    behavior = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+
+    # seq: exp(0.6) = 1.82 is outside [0.9, 1.5] -> row 0 rejected; exp(0.1) = 1.105 kept.
+    weights, stats = compute_importance_weights(
+        old, behavior, mask, level="seq", mode="mask", low=0.9, high=1.5
+    )
+    row1 = math.exp(0.05)
+    torch.testing.assert_close(
+        weights, torch.tensor([[0.0, 0.0, 0.0], [row1, row1, 0.0]], dtype=torch.float64)
+    )
+    assert stats["rejected_tokens"].item() == 3 and stats["kept_tokens"].item() == 2
+
+    # geo: exp(0.2) = 1.22 and exp(0.05) inside [0.9, 1.5]; each token keeps min(its ratio, 1.5),
+    # except 0.5: exp(0.5) = 1.65 is truncated to 1.5.
+    weights, stats = compute_importance_weights(
+        old, behavior, mask, level="geo", mode="mask", low=0.9, high=1.5
+    )
+    expected = torch.tensor(
+        [[math.exp(0.3), math.exp(-0.2), 1.5], [row1, row1, 0.0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(weights, expected)
+    assert stats["rejected_tokens"].item() == 0 and stats["capped_tokens"].item() == 1
+
+    # token (IcePop): exp(0.5) = 1.65 and exp(-0.2) = 0.82 fall outside [0.9, 1.5].
+    weights, _ = compute_importance_weights(
+        old, behavior, mask, level="token", mode="mask", low=0.9, high=1.5
+    )
+    expected = torch.tensor([[math.exp(0.3), 0.0, 0.0], [row1, row1, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(weights, expected)
+
+
+@pytest.mark.parametrize(
+    ("level", "mode", "low", "high", "message"),
+    [
+        ("seq", "clip", 0.5, 2.0, "'seq' with mode 'clip'"),
+        ("seq", "trunc", 0.0, 2.0, "'seq' with mode 'trunc'"),
+        ("geo", "clip", 0.5, 2.0, "'geo' with mode 'clip'"),
+        ("geo", "trunc", 0.0, 2.0, "'geo' with mode 'trunc'"),
+        ("token", "mask", 1.2, 1.2, "low < high"),
+        ("token", "trunc", 2.0, 1.0, "low < high"),
+        ("token", "clip", -0.1, 1.0, "0 <= low"),
+        ("sentence", "mask", 0.5, 2.0, "importance level"),
+        ("token", "drop", 0.5, 2.0, "importance mode"),
+    ],
+)
+def test_importance_weights_refuse_bad_options(level, mode, low, high, message):
+    old, behavior, mask = build_rows(seed=4, num_rows=2)
+    with pytest.raises(ValueError, match=message):
+        compute_importance_weights(old, behavior, mask, level=level, mode=mode, low=low, high=high)
+
+
+def naive_ppo(logprobs, old, advantages, mask, weights, low, high, dual_clip, denominator):
+    total = 0.0
+    for lp, olp, adv, m, w in zip(logprobs, old, advantages, mask, weights):
+        if not m:
+            continue
+        ratio = math.exp(clamp_log(lp - olp))
+        loss = -min(ratio * adv, min(max(ratio, 1 - low), 1 + high) * adv)
+        if dual_clip is not None and adv < 0:
+            loss = min(loss, -dual_clip * adv)
+        total += w * loss
+    return total / denominator
+
+
+@pytest.mark.parametrize("dual_clip", [None, 2.0])
+def test_weighted_ppo_matches_naive_loop_and_keeps_the_denominator(dual_clip):
+    old, behavior, mask = build_rows(seed=5)
+    generator = torch.Generator().manual_seed(6)
+    logprobs = old + 0.8 * torch.randn(old.shape, generator=generator, dtype=torch.float64)
+    advantages = 2 * torch.randn(old.shape, generator=generator, dtype=torch.float64)
+    weights, stats = compute_importance_weights(
+        old, behavior, mask, level="token", mode="mask", low=0.8, high=1.25
+    )
+    assert stats["rejected_tokens"].item() > 0
+    denominator = mask.sum().item()  # rejected tokens still count
+    loss, ppo_stats = compute_ppo_clip_loss(
+        logprobs,
+        old,
+        advantages,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        denominator=denominator,
+        dual_clip=dual_clip,
+        importance_weights=weights,
+    )
+    expected = naive_ppo(
+        logprobs.flatten().tolist(),
+        old.flatten().tolist(),
+        advantages.flatten().tolist(),
+        mask.flatten().tolist(),
+        weights.flatten().tolist(),
+        0.2,
+        0.28,
+        dual_clip,
+        denominator,
+    )
+    assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    assert (ppo_stats["dual_clipped_tokens"].item() > 0) == (dual_clip is not None)
+
+
+def test_dual_clip_caps_negative_advantages_only():
+    # ratio, advantage per token (clip range [0.8, 1.28], dual clip c = 3):
+    #   5.0, -1 -> PPO 5, capped at 3 (no gradient)   2.0, -1 -> 2 < 3, untouched (grad 2)
+    #   5.0, +1 -> clipped to -1.28 (no gradient)      0.1, +1 -> -0.1 (grad -0.1)
+    #   0.5, -2 -> clipped to 1.6 < 6, untouched (no gradient)
+    ratios = torch.tensor([5.0, 2.0, 5.0, 0.1, 0.5], dtype=torch.float64)
+    advantages = torch.tensor([-1.0, -1.0, 1.0, 1.0, -2.0], dtype=torch.float64)
+    old = torch.full((5,), -1.0, dtype=torch.float64)
+    mask = torch.ones(5, dtype=torch.float64)
+
+    def run(dual_clip):
+        logprobs = (old + ratios.log()).requires_grad_()
+        loss, stats = compute_ppo_clip_loss(
+            logprobs,
+            old,
+            advantages,
+            mask,
+            clip_eps_low=0.2,
+            clip_eps_high=0.28,
+            denominator=5.0,
+            dual_clip=dual_clip,
+        )
+        loss.backward()
+        return loss.item(), logprobs.grad, stats
+
+    loss, grad, stats = run(3.0)
+    assert math.isclose(loss, (3 + 2 - 1.28 - 0.1 + 1.6) / 5, rel_tol=1e-12)
+    torch.testing.assert_close(
+        grad, torch.tensor([0.0, 2.0, 0.0, -0.1, 0.0], dtype=torch.float64) / 5
+    )
+    assert stats["dual_clipped_tokens"].item() == 1
+
+    loss, grad, stats = run(None)
+    assert math.isclose(loss, (5 + 2 - 1.28 - 0.1 + 1.6) / 5, rel_tol=1e-12)
+    torch.testing.assert_close(
+        grad, torch.tensor([5.0, 2.0, 0.0, -0.1, 0.0], dtype=torch.float64) / 5
+    )
+    assert stats["dual_clipped_tokens"].item() == 0
+
+
+@pytest.mark.parametrize("dual_clip", [1.0, 0.5])
+def test_dual_clip_must_exceed_one(dual_clip):
+    with pytest.raises(ValueError, match="dual_clip"):
+        compute_ppo_clip_loss(
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.ones(2),
+            torch.ones(2),
+            clip_eps_low=0.2,
+            clip_eps_high=0.2,
+            denominator=2,
+            dual_clip=dual_clip,
+        )
+
+
+@pytest.mark.parametrize(("level", "mode", "low", "high"), VALID_COMBINATIONS)
+def test_extreme_logprob_gaps_stay_finite(level, mode, low, high):
+    old = torch.tensor([[0.0, -1e4, -200.0, 0.0], [-80.0, 0.0, -1e4, -1.0]])
+    behavior = torch.tensor([[-1e4, 0.0, 0.0, -300.0], [-1.0, -1e4, 0.0, -1.0]])
+    logprobs = torch.tensor([[-1e4, 0.0, -1e4, 0.0], [0.0, -1e4, 0.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1e4, 0.0, -1e4], [-1e4, 0.0, -1e4, 0.0]])
+    advantages = torch.tensor([[1.0, -1.0, 2.0, -3.0], [-1.0, 1.0, -2.0, 1.0]])
+    mask = torch.ones(2, 4)
+    weights, stats = compute_importance_weights(
+        old, behavior, mask, level=level, mode=mode, low=low, high=high
+    )
+    assert torch.isfinite(weights).all() and (weights >= 0).all()
+    assert all(torch.isfinite(value) for value in stats.values())
+    loss, ppo_stats = compute_ppo_clip_loss(
+        logprobs,
+        old,
+        advantages,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        denominator=8,
+        dual_clip=3.0,
+        importance_weights=weights,
+    )
+    kl_loss, kl_stats = compute_kl_loss(
+        logprobs, ref, mask, estimator="k3", coef=0.1, denominator=8
+    )
+    (loss + kl_loss).backward()
+    assert torch.isfinite(loss) and torch.isfinite(kl_loss)
+    assert torch.isfinite(logprobs.grad).all()
+    assert all(torch.isfinite(value) for value in [*ppo_stats.values(), *kl_stats.values()])
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 1024])
+def test_token_entropy_matches_categorical(chunk_rows):
+    generator = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(3, 5, 11, generator=generator, dtype=torch.float64)).requires_grad_()
+    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    entropy = token_entropy_from_logits(logits, chunk_rows=chunk_rows)
+    (entropy * upstream).sum().backward()
+    grad = logits.grad.clone()
+
+    logits.grad = None
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(entropy, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, logits.grad, rtol=1e-10, atol=1e-12)
+
+    with torch.no_grad():
+        torch.testing.assert_close(
+            token_entropy_from_logits(logits, chunk_rows=chunk_rows), expected.detach()
+        )
+
+
+def test_token_entropy_upcasts_low_precision_and_handles_empty():
+    logits = torch.randn(2, 3, 7).to(torch.bfloat16)
+    entropy = token_entropy_from_logits(logits)
+    assert entropy.dtype == torch.float32
+    expected = torch.distributions.Categorical(logits=logits.float()).entropy()
+    torch.testing.assert_close(entropy, expected)
+    assert token_entropy_from_logits(torch.zeros(0, 4, 7)).shape == (0, 4)
+
+
+def test_entropy_bonus_is_negative_masked_sum_over_denominator():
+    entropy = torch.tensor([[1.0, 2.0, 4.0], [0.5, 8.0, 16.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
+    term, stats = compute_entropy_bonus(entropy, mask, coef=0.01, denominator=10.0)
+    assert math.isclose(term.item(), -0.01 * (2 + 4 + 0.5 + 16) / 10, rel_tol=1e-6)
+    assert stats["entropy_sum"].item() == 22.5
+    term.backward()
+    torch.testing.assert_close(entropy.grad, -0.001 * mask)
+
+
+def window_terms(logits, tokens, old, behavior, ref, advantages, mask, rows, level, denominator):
+    """Policy + KL + entropy terms of the micro-batch made of `rows`, padded to its own width."""
+    width = int(torch.nonzero(mask[rows].sum(dim=0)).max()) + 1
+    index = torch.tensor(rows)
+    micro_logits = logits[index, :width]  # [micro_batch, width, vocab]
+    logprobs = (
+        torch.log_softmax(micro_logits, dim=-1).gather(-1, tokens[index, :width, None]).squeeze(-1)
+    )
+    micro_mask = mask[index, :width]
+    micro_old = old[index, :width]
+    low, high = {"token": (0.8, 1.25), "seq": (0.5, 2.0), "geo": (0.9, 1.1)}[level]
+    weights, stats = compute_importance_weights(
+        micro_old, behavior[index, :width], micro_mask, level=level, mode="mask", low=low, high=high
+    )
+    policy, _ = compute_ppo_clip_loss(
+        logprobs,
+        micro_old,
+        advantages[index, :width],
+        micro_mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        denominator=denominator,
+        dual_clip=3.0,
+        importance_weights=weights,
+    )
+    kl, _ = compute_kl_loss(
+        logprobs, ref[index, :width], micro_mask, estimator="k3", coef=0.05, denominator=denominator
+    )
+    entropy = token_entropy_from_logits(micro_logits, chunk_rows=4)
+    bonus, _ = compute_entropy_bonus(entropy, micro_mask, coef=0.01, denominator=denominator)
+    return policy + kl + bonus, stats
+
+
+@pytest.mark.parametrize("level", ["token", "seq", "geo"])
+def test_window_gradient_is_invariant_to_micro_batch_partition(level):
+    num_rows, seq, vocab = 8, 12, 6
+    generator = torch.Generator().manual_seed(8)
+    base, noisy, mask = build_rows(seed=9, num_rows=num_rows, seq=seq)
+    gap = 1.5 * (noisy - base)  # behaviour minus trainer log-probs, noisier on later rows
+    logits = torch.randn(num_rows, seq, vocab, generator=generator, dtype=torch.float64)
+    tokens = torch.randint(vocab, (num_rows, seq), generator=generator)
+    current = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    old = current + 0.3 * torch.randn(num_rows, seq, generator=generator, dtype=torch.float64)
+    behavior = old + gap
+    ref = current + 0.2 * torch.randn(num_rows, seq, generator=generator, dtype=torch.float64)
+    row_advantage = 2 * torch.randn(num_rows, 1, generator=generator, dtype=torch.float64)
+    advantages = row_advantage * mask
+    denominator = mask.sum().item()  # the whole window's action tokens, shared by every micro-batch
+
+    def window_gradient(partition):
+        leaf = logits.clone().requires_grad_()
+        rejected = kept = 0.0
+        for rows in partition:
+            loss, stats = window_terms(
+                leaf, tokens, old, behavior, ref, advantages, mask, rows, level, denominator
+            )
+            loss.backward()
+            rejected += stats["rejected_tokens"].item()
+            kept += stats["kept_tokens"].item()
+        assert rejected > 0 and kept > 0, "the window should exercise rejection"
+        return leaf.grad
+
+    whole = window_gradient([list(range(num_rows))])
+    for partition in ([[0, 1], [2, 3, 4, 5, 6, 7]], [[7], [0, 3, 5], [6, 1], [4, 2]]):
+        # float64; the terms only reorder a sum, so the tolerance is rounding, not approximation.
+        torch.testing.assert_close(window_gradient(partition), whole, rtol=0.0, atol=1e-12)
