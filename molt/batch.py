@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from molt.experience import Experience
-from molt.objectives import compute_grpo_advantages
+from molt.objectives import (compute_dr_grpo_advantages, compute_group_mean_advantages, compute_grpo_advantages,
+                             compute_rloo_advantages)
+
+GROUP_ADVANTAGES = {"grpo": compute_grpo_advantages, "dr_grpo": compute_dr_grpo_advantages,
+                    "group_mean": compute_group_mean_advantages, "rloo": compute_rloo_advantages}
 
 
 @dataclass(kw_only=True)
@@ -19,33 +23,46 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [batch, seq] long, 1 = real token
     action_mask: torch.Tensor  # [batch, seq] float, 1 = policy action
     behavior_logprobs: torch.Tensor  # [batch, seq] float, 0 off the action tokens
-    advantages: torch.Tensor  # [batch, seq] float, the rollout's advantage on its action tokens
+    advantages: torch.Tensor  # [batch, seq] float, 0 off the action tokens
+    rewards: torch.Tensor  # [batch] float64, each row's rollout reward (0 for a filler row)
+    rows: list[int]  # [batch] index of each row's experience in the rank's list; -1 = filler
+    # Filled per step by the learner when the objective needs them ([batch, seq], 0 off actions):
+    ref_logprobs: torch.Tensor | None = None  # the frozen reference policy's log-probs
+    old_values: torch.Tensor | None = None  # the critic's values before this step's update
+    returns: torch.Tensor | None = None  # the critic's regression targets
 
     @property
     def num_action_tokens(self) -> int:
         return int(self.action_mask.sum().item())
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            action_mask=self.action_mask.to(device),
-            behavior_logprobs=self.behavior_logprobs.to(device),
-            advantages=self.advantages.to(device),
-        )
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                             for name, value in moved.items()})
 
 
-def compute_experience_advantages(experiences: list[Experience]) -> list[float]:
-    """GRPO advantage of each experience's rollout. A rollout with several segments (several
-    experiences) counts once in its group's statistics, and each of its segments gets its advantage."""
-    rollouts = {e.rollout_id: (e.reward, e.group_id) for e in experiences}
+def compute_group_advantages(rollout_ids: list[int], group_ids: list[int], rewards: list[float], *,
+                             estimator: str) -> list[float]:
+    """One advantage per entry (an experience) from a group estimator (molt.objectives). Entries of
+    one rollout (its segments) count once in the group statistics and all get its advantage."""
+    if estimator not in GROUP_ADVANTAGES:
+        raise ValueError(f"{estimator!r} is not a group estimator; use one of {', '.join(GROUP_ADVANTAGES)}")
+    rollouts = {}
+    for rollout_id, group_id, reward in zip(rollout_ids, group_ids, rewards, strict=True):
+        rollouts.setdefault(rollout_id, (reward, group_id))
     if not rollouts:
         return []
-    per_rollout = compute_grpo_advantages(
+    per_rollout = GROUP_ADVANTAGES[estimator](
         torch.tensor([reward for reward, _ in rollouts.values()], dtype=torch.float64),
         torch.tensor([group for _, group in rollouts.values()]))
     advantage_of = dict(zip(rollouts, per_rollout.tolist()))
-    return [advantage_of[e.rollout_id] for e in experiences]
+    return [advantage_of[rollout_id] for rollout_id in rollout_ids]
+
+
+def compute_experience_advantages(experiences: list[Experience], estimator: str = "grpo") -> list[float]:
+    """`compute_group_advantages` over the experiences' own rollout ids, groups and rewards."""
+    return compute_group_advantages([e.rollout_id for e in experiences], [e.group_id for e in experiences],
+                                    [e.reward for e in experiences], estimator=estimator)
 
 
 def assign_to_ranks(experiences: list[Experience], num_ranks: int) -> list[list[int]]:
@@ -77,7 +94,7 @@ def count_micro_batches(experiences: list[Experience], *, max_tokens_per_micro_b
 
 def build_micro_batches(
     experiences: list[Experience],
-    advantages: list[float],
+    advantages: list[float] | None = None,
     *,
     max_tokens_per_micro_batch: int,
     pad_token_id: int,
@@ -91,8 +108,11 @@ def build_micro_batches(
     forwards and backwards and joins every FSDP collective.
 
     Args:
-        advantages: one per experience, broadcast onto its action tokens.
+        advantages: one per experience, broadcast onto its action tokens; None leaves them 0 (the
+            learner fills them in per step).
     """
+    if advantages is None:
+        advantages = [0.0] * len(experiences)
     if len(advantages) != len(experiences):
         raise ValueError(
             f"need one advantage per experience, got {len(advantages)} advantages for "
@@ -102,10 +122,7 @@ def build_micro_batches(
     if min(lengths, default=1) < 1:
         raise ValueError("every experience needs at least one token; got an empty token_ids")
     packs = _pack_by_budget(lengths, max_tokens_per_micro_batch)
-    micro_batches = [
-        _collate([experiences[i] for i in pack], [advantages[i] for i in pack], pad_token_id)
-        for pack in packs
-    ]
+    micro_batches = [_collate(experiences, advantages, pack, pad_token_id) for pack in packs]
     if num_micro_batches is not None:
         if num_micro_batches < len(micro_batches):
             raise ValueError(
@@ -131,7 +148,10 @@ def _pack_by_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return packs
 
 
-def _collate(experiences: list[Experience], advantages: list[float], pad_token_id: int) -> MicroBatch:
+def _collate(all_experiences: list[Experience], all_advantages: list[float], rows: list[int],
+             pad_token_id: int) -> MicroBatch:
+    experiences = [all_experiences[i] for i in rows]
+    advantages = [all_advantages[i] for i in rows]
     num_rows, seq_len = len(experiences), max(e.num_tokens for e in experiences)
     input_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((num_rows, seq_len), dtype=torch.long)
@@ -150,6 +170,8 @@ def _collate(experiences: list[Experience], advantages: list[float], pad_token_i
         action_mask=action_mask,
         behavior_logprobs=behavior_logprobs * action_mask,
         advantages=row_advantages * action_mask,
+        rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float64),
+        rows=list(rows),
     )
 
 
@@ -162,4 +184,6 @@ def _empty_micro_batch(pad_token_id: int) -> MicroBatch:
         action_mask=torch.zeros((1, 1)),
         behavior_logprobs=torch.zeros((1, 1)),
         advantages=torch.zeros((1, 1)),
+        rewards=torch.zeros(1, dtype=torch.float64),
+        rows=[-1],
     )

@@ -8,13 +8,17 @@ import transformers
 from distributed import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, build_actor_model, compute_token_logprobs
+from molt.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.experience import Experience
 
 PAD = 0
 CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
 CPU = torch.device("cpu")
+PPO = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
+# Every term at once, with a tight band so the importance correction rejects tokens.
+FULL_LOSS = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, dual_clip=3.0,
+                       importance=("token", "mask", 0.9, 1.1), entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3")
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +99,44 @@ def make_actor(model_path, group, dtype, **optimizer) -> Actor:
     return Actor(model, group=group, device=CPU, temperature=TEMPERATURE, **optimizer)
 
 
-def window_gradients(actor, micro_batches) -> dict[str, torch.Tensor]:
-    actor.compute_window_gradients(micro_batches, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
+def window_gradients(actor, micro_batches, loss=PPO, kl_reference=None) -> dict[str, torch.Tensor]:
+    if kl_reference is not None:  # what the learner does before the window when the KL is on
+        for micro_batch in micro_batches:
+            with torch.no_grad():
+                micro_batch.ref_logprobs = compute_token_logprobs(
+                    kl_reference, micro_batch.input_ids, micro_batch.attention_mask, temperature=TEMPERATURE)
+    sums = actor.compute_window_gradients(micro_batches, loss)
     grads = full_gradients(actor.model)
+    if loss.importance is not None:
+        grads["rejected tokens"] = sums["rejected_tokens"]  # summed over this rank's micro-batches
     actor.optimizer.zero_grad(set_to_none=True)
     return grads
 
 
-def gradient_invariance_rank(rank, world_size, model_path, experiences, advantages):
+def perturbed_model(model_path):
+    """A fixed reference policy that differs from the actor, for the KL term."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return model
+
+
+def gradient_invariance_rank(rank, world_size, model_path, experiences, advantages, full_loss=False):
     single_group = dist.new_group([0])
     both_group = dist.new_group([0, 1])
+    loss, kl_reference = (FULL_LOSS, perturbed_model(model_path)) if full_loss else (PPO, None)
+
+    def window_gradients(actor, micro_batches):  # noqa: F811 (this test's loss and reference)
+        return globals()["window_gradients"](actor, micro_batches, loss, kl_reference)
+
     results = {}
     if rank == 0:
-        reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
-        naive_window_loss(reference, experiences, advantages).backward()
-        results["reference"] = full_gradients(reference)
+        if not full_loss:
+            reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+            naive_window_loss(reference, experiences, advantages).backward()
+            results["reference"] = full_gradients(reference)
 
         actor = make_actor(model_path, single_group, torch.float64, lr=1e-3)
         one = build_micro_batches(
@@ -136,8 +163,27 @@ def gradient_invariance_rank(rank, world_size, model_path, experiences, advantag
 def test_window_gradient_is_invariant_to_micro_batches_and_ranks(model_path):
     experiences, advantages = make_experiences(seed=0, count=9)
     results = run_ranks(gradient_invariance_rank, 2, model_path, experiences, advantages)
+    assert_same_gradients(results, results[0].pop("reference"))
+
+
+def test_full_loss_gradient_is_invariant_with_importance_rejection(model_path):
+    """DESIGN section 8: policy (dual clip, IcePop-style token masking), KL-in-loss and entropy terms
+    all divide by the window's token count, so repartitioning the window changes nothing (fp64,
+    rtol 1e-6 / atol 1e-12), while some tokens are rejected."""
+    experiences, advantages = make_experiences(seed=0, count=9)
+    results = run_ranks(gradient_invariance_rank, 2, model_path, experiences, advantages, True)
+    rejected = {(rank, label): grads.pop("rejected tokens").item() for rank, rank_results in enumerate(results)
+                for label, grads in rank_results.items() if isinstance(grads, dict)}
+    total_actions = sum(sum(e.action_mask) for e in experiences)
+    whole = rejected[0, "1 rank, 1 micro-batch"]
+    assert 0 < whole < total_actions
+    assert rejected[0, "1 rank, 3 micro-batches"] == whole
+    assert rejected[0, "2 ranks"] + rejected[1, "2 ranks"] == whole
+    assert_same_gradients(results, results[0]["1 rank, 1 micro-batch"])
+
+
+def assert_same_gradients(results, reference):
     assert results[0]["2 ranks, micro-batches"] >= 2
-    reference = results[0].pop("reference")
     assert any(g.abs().max() > 0 for g in reference.values())
     for rank_results in results:
         for label, grads in rank_results.items():
@@ -164,7 +210,7 @@ def training_rank(rank, world_size, model_path, windows):
     metrics, reference_metrics = [], []
     for experiences, advantages in windows:
         micro_batches = build_rank_micro_batches(experiences, advantages, trainer_group, budget=100)
-        metrics.append(actor.train_window(micro_batches, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH))
+        metrics.append(actor.train_window(micro_batches, PPO))
 
         loss = naive_window_loss(reference, experiences, advantages)
         loss.backward()

@@ -398,3 +398,19 @@ def test_value_loss_split_window_adds_up():
     assert whole.item() == pytest.approx(sum(loss.item() for loss, _ in halves), rel=1e-12)
     for key, value in whole_stats.items():
         assert value.item() == pytest.approx(sum(stats[key].item() for _, stats in halves))
+
+
+def test_whiten_with_summed_moments_of_parts_equals_whitening_the_whole():
+    from molt.objectives.advantages import Moments, masked_moments
+
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 9, generator=generator, dtype=torch.float64) * 5 + 2
+    mask = (torch.rand(6, 9, generator=generator) > 0.4).to(torch.float64)
+    parts = [(values[:2], mask[:2]), (values[2:5], mask[2:5]), (values[5:], mask[5:])]
+    moments = Moments(*(sum(m) for m in zip(*(masked_moments(v, k) for v, k in parts))))
+    assert moments.count == mask.sum()
+    pieced = torch.cat([whiten(v, k, moments=moments) for v, k in parts])
+    torch.testing.assert_close(pieced, whiten(values, mask), atol=1e-12, rtol=0)
+    constant = torch.full((2, 3), 0.1, dtype=torch.float64)
+    ones = torch.ones_like(constant)
+    assert whiten(constant, ones, moments=masked_moments(constant, ones)).abs().max() == 0

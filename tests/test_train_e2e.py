@@ -82,6 +82,53 @@ def test_failed_rollouts_drop_their_groups_by_default(tmp_path, tiny_model_dir, 
     assert "failed (agent_error): RuntimeError: flaky agent" in done.stderr
 
 
+VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
+# Each estimator with some of the loss options, so every option runs in a real job without a job each.
+OBJECTIVES = {
+    "grpo": {"algorithm.importance_level": "token", "algorithm.importance_mode": "mask",
+             "algorithm.importance_band": "[0.5,2.0]", "algorithm.dual_clip": 3.0},
+    "dr_grpo": {"algorithm.kl_coef": 0.05, "algorithm.kl_estimator": "k3"},
+    "group_mean": {"algorithm.entropy_coef": 0.01, "algorithm.importance_level": "token",
+                   "algorithm.importance_mode": "trunc"},
+    "rloo": {"algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward", "algorithm.kl_estimator": "k1",
+             "algorithm.kl_target": 0.01},
+    "reinforce_pp": {"algorithm.gamma": 0.99, "algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward",
+                     "algorithm.kl_estimator": "k2", "algorithm.importance_level": "geo",
+                     "algorithm.importance_mode": "mask"},
+    "gae": {"algorithm.gae_lambda": 0.95, "algorithm.critic_learning_rate": 3e-3, "algorithm.value_clip": 0.5,
+            "algorithm.importance_level": "seq", "algorithm.importance_mode": "mask",
+            "algorithm.importance_band": "[0.1,10.0]", "train.num_steps": 4},
+}
+
+
+@pytest.mark.parametrize("estimator", list(OBJECTIVES))
+def test_every_advantage_estimator_trains(tmp_path, tiny_model_dir, demo_data_dir, estimator):
+    out = tmp_path / "run"
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": VARIED_AGENT, "algorithm.advantage_estimator": estimator, "rollout.max_response_tokens": 8,
+        "refit.check_every_steps": 0, "train.learning_rate": 1e-3, **OBJECTIVES[estimator]})
+    done = _torchrun(2, DEMO, sets)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 3
+    for row in rows:
+        assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
+    options = OBJECTIVES[estimator]
+    if "algorithm.kl_coef" in options:
+        assert all(math.isfinite(r["train/ref_kl_behavior"]) and math.isfinite(r["train/kl_coef"]) for r in rows)
+    if options.get("algorithm.kl_placement") != "reward" and "algorithm.kl_coef" in options:
+        assert all(math.isfinite(r["train/ref_kl"]) for r in rows)
+    if "algorithm.kl_target" in options:  # the adaptive coefficient moved
+        assert rows[-1]["train/kl_coef"] != options["algorithm.kl_coef"]
+    if "algorithm.entropy_coef" in options:
+        assert all(r["train/entropy"] > 0 for r in rows)
+    if options.get("algorithm.importance_mode") == "mask":
+        assert all(0 <= r["train/importance_rejected_share"] <= 1 for r in rows)
+    if estimator == "gae":  # the critic learns: its loss falls from its zero-initialised start
+        losses = [r["train/value_loss"] for r in rows]
+        assert losses[-1] < losses[0], losses
+
+
 def test_multi_turn_env_recipe_runs(tmp_path, tiny_model_dir, demo_data_dir):
     out = tmp_path / "run"
     done = _torchrun(2, f"{DEMO}:multi_turn", _job_sets(tiny_model_dir, demo_data_dir, out, **{

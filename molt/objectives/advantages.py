@@ -151,7 +151,22 @@ def compute_grpo_advantages(rewards: Tensor, group_ids: Tensor, *, eps: float = 
     return _zero_where(groups.constant, centered / (std + eps), rewards.dtype)
 
 
-def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
+class Moments(NamedTuple):
+    """Masked count, sum and sum of squares: they add across micro-batches and ranks."""
+
+    count: Tensor  # [] float64
+    total: Tensor  # [] float64
+    total_square: Tensor  # [] float64
+
+
+def masked_moments(values: Tensor, mask: Tensor) -> Moments:
+    """The `Moments` of `values` where `mask` is set (float64)."""
+    selected = mask > 0
+    x = torch.where(selected, values.to(torch.float64), torch.zeros((), dtype=torch.float64, device=values.device))
+    return Moments(count=selected.sum().to(torch.float64), total=x.sum(), total_square=x.square().sum())
+
+
+def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, moments: Moments | None = None) -> Tensor:
     """Shift and scale `values` to mean 0 and std 1 over the tokens where `mask` is set.
 
     (values - mean) / (std + eps), with mean and std over the masked entries only and std the
@@ -162,6 +177,9 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
     Args:
         values: [...] any shape.
         mask: [...] same shape; nonzero where the entry counts.
+        moments: the moments of the whole population when `values` is only part of it (e.g. one
+            micro-batch of a window spread over ranks: sum `masked_moments` of every part).
+            Default: the moments of `values` itself.
 
     Returns:
         [...] whitened values, same dtype as `values`.
@@ -174,13 +192,17 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
     selected = mask > 0
     x = values.to(torch.float64)
     zeros = torch.zeros_like(x)
-    count = selected.sum().clamp(min=1)
-    mean = torch.where(selected, x, zeros).sum() / count
+    count, total, total_square = moments if moments is not None else masked_moments(values, mask)
+    count = count.to(x.device).clamp(min=1)
+    mean = total.to(x.device) / count
+    variance = (total_square.to(x.device) / count - mean.square()).clamp(min=0)
     centered = torch.where(selected, x - mean, zeros)
-    std = (centered.square().sum() / count).sqrt()
-    highest = torch.where(selected, x, zeros - torch.inf).amax()
-    lowest = torch.where(selected, x, zeros + torch.inf).amin()
-    whitened = torch.where(highest == lowest, zeros, centered / (std + eps))
+    if moments is None:  # exact two-pass variance when the whole population is here
+        variance = centered.square().sum() / count
+    # A constant population (every masked entry equal) carries no signal: exactly 0, not rounding
+    # noise. Summed moments leave a variance of ~1e-16 * mean^2 for one; real spreads are far above.
+    constant = variance <= 1e-10 * mean.square()
+    whitened = torch.where(constant, zeros, centered / (variance.sqrt() + eps))
     return whitened.to(values.dtype)
 
 
@@ -233,6 +255,7 @@ def compute_reinforce_pp_advantages(
     gamma: float,
     token_kl: Tensor | None = None,
     kl_coef: float = 0.0,
+    whiten_returns: bool = True,
     eps: float = 1e-8,
 ) -> Tensor:
     """REINFORCE++ advantages: whitened discounted returns of per-token rewards.
@@ -252,6 +275,9 @@ def compute_reinforce_pp_advantages(
         gamma: discount per action token; 1 gives every token the undiscounted return.
         token_kl: [batch, seq] per-token KL estimate to the reference policy; None: no penalty.
         kl_coef: weight of the KL penalty in the reward.
+        whiten_returns: whiten here over the rows passed in; False returns the raw returns, for a
+            caller that whitens over a batch spread across micro-batches or ranks (`whiten` with
+            the summed `masked_moments`).
         eps: added to the std in the whitening.
 
     Returns:
@@ -261,6 +287,8 @@ def compute_reinforce_pp_advantages(
     action = action_mask > 0
     token_rewards = _build_token_rewards(rewards, action, token_kl, kl_coef)
     returns = _discounted_sum_over_actions(token_rewards, action, gamma)
+    if not whiten_returns:
+        return returns.to(rewards.dtype)
     return whiten(returns, action, eps=eps).to(rewards.dtype)
 
 

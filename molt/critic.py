@@ -1,0 +1,232 @@
+"""The PPO critic (a value model sharded like the actor, its optimizer and loss) and the frozen
+reference policy used for KL (DESIGN section 8)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModel
+
+from molt.actor import (build_actor_model, compute_token_logprobs, compute_window_denominator,
+                        set_gradient_sum_reduction, step_optimizer)
+from molt.batch import MicroBatch
+from molt.objectives import compute_value_loss
+
+class ValueModel(nn.Module):
+    """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.
+
+    `forward(input_ids, attention_mask)` returns [batch, seq] values (at least float32) aligned
+    like `compute_token_logprobs`: column t is the value of the state in which token t is about
+    to be emitted, read from the hidden state at position t - 1; column 0 is 0. So GAE reads the
+    value of each action's state at that action's own column. Expects right padding.
+    """
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.model = backbone  # named like a causal LM's `model`, so parameter names match it
+        parameter = next(backbone.parameters())
+        self.value_head = nn.Linear(
+            backbone.config.hidden_size, 1, dtype=parameter.dtype, device=parameter.device
+        )
+        # Zero weight and bias: every initial value is exactly 0, so the first advantages are the
+        # plain returns rather than noise from a random projection of large hidden states.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state  # [batch, seq, hidden]
+        values = self.value_head(hidden).squeeze(-1)  # [batch, seq]: value after reading token t
+        values = values[:, :-1].to(torch.promote_types(values.dtype, torch.float32))
+        return F.pad(values, (1, 0))
+
+
+def build_value_model(
+    model_path: str,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> ValueModel:
+    """Load the backbone of a Hugging Face causal LM, add a zero value head, shard with FSDP2.
+
+    Sharded like `build_actor_model`: each decoder block is its own FSDP unit and the root holds
+    the embeddings, final norm and value head. `dtype` and `compute_dtype` mean the same there.
+    """
+    if device.type != mesh.device_type:
+        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
+    backbone = AutoModel.from_pretrained(model_path, dtype=dtype)
+    backbone.config.use_cache = False
+    model = ValueModel(backbone)
+    mp_policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in backbone.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+class Critic:
+    """The PPO critic: the FSDP2 value model, its own AdamW, and one optimizer step per window.
+
+    Every method that runs the model is collective over `group`: all trainer ranks call it,
+    with the same number of micro-batches.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        self.model = model
+        self.group = group
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
+        set_gradient_sum_reduction(model)
+
+    @torch.no_grad()
+    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] values under the current weights, aligned as in `ValueModel` (collective)."""
+        self.model.eval()
+        values = self.model(input_ids.to(self.device), attention_mask.to(self.device))
+        # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
+        # later forward would then reuse them even after the optimizer changed the shards.
+        self.model.reshard()
+        return values
+
+    def train_window(
+        self,
+        micro_batches: list[MicroBatch],
+        *,
+        old_values: list[torch.Tensor],
+        returns: list[torch.Tensor],
+        clip_range: float | None,
+    ) -> dict[str, float]:
+        """One optimizer step on the clipped value loss; returns metrics reduced over the group.
+
+        Args:
+            old_values: one [batch, seq] tensor per micro-batch, the values the returns were
+                computed with (`compute_values` before the window).
+            returns: one [batch, seq] tensor per micro-batch, the value targets.
+            clip_range: see `compute_value_loss`; None for the unclipped loss.
+        """
+        if not len(micro_batches) == len(old_values) == len(returns):
+            raise ValueError(
+                f"need old_values and returns for each micro-batch, got {len(micro_batches)} "
+                f"micro-batches, {len(old_values)} old_values and {len(returns)} returns"
+            )
+        sums = self.compute_window_gradients(
+            micro_batches, old_values=old_values, returns=returns, clip_range=clip_range
+        )
+        grad_norm = step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        loss, tokens, clipped, error_sum, value_sum, return_sum, return_square_sum = sums.tolist()
+        per_token = 1.0 / max(tokens, 1.0)
+        # 1 - MSE / Var(returns): 1 is a perfect fit, 0 no better than the mean return; NaN when
+        # the returns do not vary (nothing to explain).
+        return_variance = return_square_sum * per_token - (return_sum * per_token) ** 2
+        explained_variance = float("nan")
+        if return_variance > 0:
+            explained_variance = 1.0 - error_sum * per_token / return_variance
+        return {
+            "value_loss": loss,
+            "value_clip_fraction": clipped * per_token,
+            "value_grad_norm": grad_norm,
+            "explained_variance": explained_variance,
+            "value_mean": value_sum * per_token,
+            "return_mean": return_sum * per_token,
+        }
+
+    def compute_window_gradients(
+        self,
+        micro_batches: list[MicroBatch],
+        *,
+        old_values: list[torch.Tensor],
+        returns: list[torch.Tensor],
+        clip_range: float | None,
+    ) -> torch.Tensor:
+        """Accumulate the token-mean value-loss gradient of the window into `.grad`.
+
+        Returns this rank's sums [loss, action_tokens, clipped_tokens, error_sum, value_sum,
+        return_sum, return_square_sum] (float64, on `self.device`); summed over ranks they
+        describe the whole window.
+        """
+        self.model.train()
+        denominator = compute_window_denominator(micro_batches, group=self.group, device=self.device)
+        sums = torch.zeros(7, dtype=torch.float64, device=self.device)
+        for micro_batch, micro_old_values, micro_returns in zip(micro_batches, old_values, returns):
+            if not micro_old_values.shape == micro_returns.shape == micro_batch.input_ids.shape:
+                raise ValueError(
+                    f"old_values {tuple(micro_old_values.shape)} and returns "
+                    f"{tuple(micro_returns.shape)} must match the micro-batch's input_ids "
+                    f"{tuple(micro_batch.input_ids.shape)}"
+                )
+            micro_batch = micro_batch.to(self.device)
+            values = self.model(micro_batch.input_ids, micro_batch.attention_mask)
+            loss, stats = compute_value_loss(
+                values,
+                micro_old_values.to(self.device),
+                micro_returns.to(self.device),
+                micro_batch.action_mask,
+                clip_range=clip_range,
+                denominator=denominator,
+            )
+            loss.backward()
+            sums += torch.stack([
+                loss.detach(),
+                micro_batch.action_mask.sum(),
+                stats["value_clipped_tokens"],
+                stats["value_error_sum"],
+                stats["value_sum"],
+                stats["return_sum"],
+                stats["return_square_sum"],
+            ]).to(torch.float64)
+        return sums
+
+
+def build_reference_model(
+    model_path: str,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The initial policy, frozen, for the KL to the reference: sharded like the actor, no grads."""
+    model = build_actor_model(
+        model_path, mesh=mesh, device=device, dtype=dtype, compute_dtype=compute_dtype
+    )
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def compute_reference_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
+) -> torch.Tensor:
+    """[batch, seq] token log-probs under the reference model, aligned as `compute_token_logprobs`.
+
+    Inputs on the model's device; collective over its mesh. `temperature` should be the actor's,
+    so the KL compares the same distributions the policy loss uses.
+    """
+    logprobs = compute_token_logprobs(model, input_ids, attention_mask, temperature=temperature)
+    model.reshard()  # see Critic.compute_values
+    return logprobs
