@@ -113,16 +113,63 @@ class TrainConfig:
     """Padded tokens (rows x longest row) per forward/backward on one trainer rank."""
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "group_mean", "rloo")
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+
+
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     advantage_estimator: str = "grpo"
-    """Advantage estimator: grpo."""
+    """grpo | dr_grpo | group_mean | rloo (per rollout, within its prompt group) | reinforce_pp |
+    gae (per token; gae trains a critic). Formulas in the README."""
+    gamma: float = 1.0
+    """reinforce_pp, gae: discount per action token (observation tokens between turns cost none)."""
+    gae_lambda: float = 0.95
+    """gae: the GAE lambda (1 = Monte-Carlo returns minus values)."""
+    whiten_advantages: bool = True
+    """gae: whiten the advantages over the batch's action tokens (reinforce_pp always whitens)."""
     clip_eps_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_eps_high: float = 0.2
     """PPO ratio clip above 1 (raise for DAPO's clip-higher)."""
+    dual_clip: float = 0.0
+    """Dual clip: cap the loss of a negative-advantage token at -c * A; c > 1, 0 = off."""
+    importance_level: str = "off"
+    """Correct the trainer/engine mismatch with importance weights exp(trainer - behaviour log-prob):
+    off | token | seq | geo (token+trunc = TIS, token+mask = IcePop, geo+mask = seq-mask-tis)."""
+    importance_mode: str = "trunc"
+    """mask (weight 0 outside importance_band) | clip (clamp into the band) | trunc (cap at its top);
+    seq and geo take only mask."""
+    importance_band: tuple[float, float] = (0.5, 2.0)
+    """[low, high] for the importance ratio (trunc uses only high)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = off; > 0 computes the entropy over the vocabulary each micro-batch)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to a frozen reference copy of the initial policy; 0 = no reference model."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (Schulman's estimators of KL(policy || reference), per action token)."""
+    kl_placement: str = "loss"
+    """loss (a term of the loss) | reward (subtracted from the reward before the advantages)."""
+    kl_target: float = 0.0
+    """> 0: adapt kl_coef each step toward this mean per-token KL (Ziegler et al. 2019)."""
+    kl_horizon: float = 10000.0
+    """Adaptive KL: its horizon in rollouts (a step moves the coefficient by at most
+    0.2 x rollouts / horizon of itself)."""
+    critic_learning_rate: float = 1e-5
+    """gae: the critic's AdamW learning rate (it shares the actor's other optimizer settings)."""
+    value_clip: float = 0.2
+    """gae: clip the value prediction to old value +- this in the value loss; 0 = unclipped."""
     max_staleness: int = 0
     """Policy versions a rollout may lag at consumption; 0 = synchronous."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop complete groups whose scores carry no signal (see filter_band) and
+    run fresh prompts as new groups until the step has rollout.prompts_per_step groups."""
+    filter_band: tuple[float, float] = (0.0, 1.0)
+    """(low, high): a group is dropped when every rollout's score is <= low (all_low) or every one is
+    >= high (all_high); for 0/1 rewards, all wrong or all right. Each rollout counts once."""
+    max_backfill_prompts: int = 32
+    """Most extra prompts one step dispatches to replace lost groups (32 = 4 x the default
+    prompts_per_step); past it the step trains on fewer groups and warns. 0 = filter, never backfill."""
 
 
 @dataclass(kw_only=True)
@@ -300,11 +347,36 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
     check(rollout.prompts_per_step >= 1, f"rollout.prompts_per_step={rollout.prompts_per_step}: need at least 1")
     check(rollout.n_samples_per_prompt >= 1,
           f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: need at least 1")
-    check(algo.advantage_estimator != "grpo" or rollout.n_samples_per_prompt > 1,
-          f"algorithm.advantage_estimator='grpo' needs rollout.n_samples_per_prompt > 1 "
-          f"(got {rollout.n_samples_per_prompt}): a group of one has zero advantage")
-    check(algo.advantage_estimator in ("grpo",),
-          f"algorithm.advantage_estimator={algo.advantage_estimator!r}: supported: grpo")
+    estimator = algo.advantage_estimator
+    check(estimator in GROUP_ESTIMATORS + TOKEN_ESTIMATORS,
+          f"algorithm.advantage_estimator={estimator!r}: use one of {', '.join(GROUP_ESTIMATORS + TOKEN_ESTIMATORS)}")
+    check(estimator not in GROUP_ESTIMATORS or rollout.n_samples_per_prompt > 1,
+          f"algorithm.advantage_estimator={estimator!r} needs rollout.n_samples_per_prompt > 1 "
+          f"(got {rollout.n_samples_per_prompt}): its baseline is the rest of the prompt's group")
+    check(0 < algo.gamma <= 1, f"algorithm.gamma={algo.gamma}: must be in (0, 1]")
+    check(0 <= algo.gae_lambda <= 1, f"algorithm.gae_lambda={algo.gae_lambda}: must be in [0, 1]")
+    check(algo.dual_clip == 0 or algo.dual_clip > 1, f"algorithm.dual_clip={algo.dual_clip}: use 0 (off) or > 1")
+    level, mode, (low, high) = algo.importance_level, algo.importance_mode, algo.importance_band
+    check(level in ("off", "token", "seq", "geo"),
+          f"algorithm.importance_level={level!r}: use off, token, seq or geo")
+    check(mode in ("mask", "clip", "trunc"), f"algorithm.importance_mode={mode!r}: use mask, clip or trunc")
+    check(level not in ("seq", "geo") or mode == "mask",
+          f"algorithm.importance_level={level!r} with importance_mode={mode!r}: seq and geo take only mask")
+    check(0 <= low < high, f"algorithm.importance_band={algo.importance_band}: need 0 <= low < high")
+    check(algo.entropy_coef >= 0, f"algorithm.entropy_coef={algo.entropy_coef}: must be >= 0")
+    check(algo.kl_coef >= 0, f"algorithm.kl_coef={algo.kl_coef}: must be >= 0")
+    check(algo.kl_estimator in ("k1", "k2", "k3"), f"algorithm.kl_estimator={algo.kl_estimator!r}: use k1, k2 or k3")
+    check(algo.kl_placement in ("loss", "reward"),
+          f"algorithm.kl_placement={algo.kl_placement!r}: use loss or reward")
+    check(algo.kl_target >= 0, f"algorithm.kl_target={algo.kl_target}: must be >= 0 (0 = fixed kl_coef)")
+    check(algo.kl_target == 0 or algo.kl_coef > 0,
+          f"algorithm.kl_target={algo.kl_target} adapts kl_coef, which is 0: set a starting algorithm.kl_coef > 0")
+    check(algo.kl_horizon > 0, f"algorithm.kl_horizon={algo.kl_horizon}: must be > 0")
+    check(algo.critic_learning_rate > 0, f"algorithm.critic_learning_rate={algo.critic_learning_rate}: must be > 0")
+    check(algo.value_clip >= 0, f"algorithm.value_clip={algo.value_clip}: must be >= 0 (0 = unclipped)")
+    check(algo.max_staleness == 0 or level != "off",
+          f"algorithm.max_staleness={algo.max_staleness} trains on tokens sampled by older weights: it needs "
+          f"algorithm.importance_level (e.g. token) to correct for them")
     check(rollout.max_response_tokens < rollout.max_length,
           f"rollout.max_response_tokens={rollout.max_response_tokens} must be below "
           f"rollout.max_length={rollout.max_length}")
@@ -317,6 +389,14 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
     check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
     check(algo.max_staleness == 0,
           f"algorithm.max_staleness={algo.max_staleness}: only synchronous training (0) is available yet")
+    check(len(algo.filter_band) == 2 and algo.filter_band[0] < algo.filter_band[1],
+          f"algorithm.filter_band={tuple(algo.filter_band)}: needs (low, high) with low < high "
+          f"(e.g. (0.0, 1.0) drops all-wrong and all-right groups of 0/1 rewards)")
+    check(algo.max_backfill_prompts >= 0,
+          f"algorithm.max_backfill_prompts={algo.max_backfill_prompts}: must be >= 0 (0 never backfills)")
+    check(not algo.filter_groups or rollout.n_samples_per_prompt > 1,
+          f"algorithm.filter_groups=True needs rollout.n_samples_per_prompt > 1 (got "
+          f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")
     check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
     check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),

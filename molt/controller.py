@@ -1,6 +1,6 @@
 """The rollout controller (rank 0): owns the prompt stream, dispatches single rollouts to the
-rollout ranks, refills or drops groups with a failed rollout, gathers complete groups, and
-assembles each step's batch.
+rollout ranks, refills or drops groups with a failed rollout, gathers complete groups, filters
+groups without signal and backfills them (DAPO dynamic sampling), and assembles each step's batch.
 
 This is the synchronous controller: a step dispatches its prompts, waits for their groups and
 hands them to the trainer; refits happen with no rollout in flight.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
-from molt.dataset import build_prompt_loader
+from molt.dataset import PromptRow, build_prompt_loader
 from molt.experience import Experience
 from molt.rollout import decode_outcome
 from molt.wire import Router
@@ -34,10 +34,23 @@ class StepRollouts:
 
     groups: list[list[Experience]]  # each inner list: every segment of every rollout of one prompt
     failures: Counter = field(default_factory=Counter)  # failed rollouts by reason
-    dropped_groups: int = 0
+    dropped_groups: int = 0  # groups dropped for a failed rollout
     refilled_rollouts: int = 0  # replacement rollouts dispatched for failed ones (agent.on_failed_rollout='refill')
     num_rollouts: int = 0  # rollouts run, refills included
     ledger: Counter = field(default_factory=Counter)  # ChatAgent turns by how they joined a segment
+    filtered_groups: Counter = field(default_factory=Counter)  # complete groups dropped for no signal, by reason
+    backfill_prompts: int = 0  # prompts dispatched after the first round to replace lost groups
+
+    def merge(self, later: StepRollouts) -> None:
+        """Add a later round of the same step: its groups go after these (dispatch order), counts add up."""
+        self.groups += later.groups
+        self.failures.update(later.failures)
+        self.dropped_groups += later.dropped_groups
+        self.refilled_rollouts += later.refilled_rollouts
+        self.num_rollouts += later.num_rollouts
+        self.ledger.update(later.ledger)
+        self.filtered_groups.update(later.filtered_groups)
+        self.backfill_prompts += later.backfill_prompts
 
 
 class RolloutController:
@@ -48,6 +61,10 @@ class RolloutController:
         self.loader = build_prompt_loader(cfg.data.train_path, batch_size=cfg.rollout.prompts_per_step,
                                           shuffle=cfg.data.shuffle, seed=cfg.seed)
         self._prompts = iter(self.loader)
+        # Rows the loader handed out that no step has dispatched yet (a backfill takes fewer rows
+        # than a batch); the next call takes them first, so no row is skipped or repeated. The
+        # loader's own state is ahead of the dispatched rows by exactly these.
+        self._pending_rows: list[PromptRow] = []
         self.epoch = 0
         self._rollout_ids = itertools.count()
         self._group_ids = itertools.count()
@@ -87,7 +104,15 @@ class RolloutController:
 
     # -- prompts and rollouts --------------------------------------------------------------
 
-    def next_prompts(self) -> list:
+    def next_prompts(self, count: int) -> list[PromptRow]:
+        """The next `count` rows of the prompt stream, unused rows of earlier batches first."""
+        while len(self._pending_rows) < count:
+            self._pending_rows += self.next_prompt_batch()
+        rows, self._pending_rows = self._pending_rows[:count], self._pending_rows[count:]
+        return rows
+
+    def next_prompt_batch(self) -> list[PromptRow]:
+        """One batch (rollout.prompts_per_step rows) from the loader; a new epoch starts when it runs out."""
         try:
             return next(self._prompts)
         except StopIteration:
@@ -97,12 +122,35 @@ class RolloutController:
             return next(self._prompts)
 
     def collect_step(self, policy_version: int) -> StepRollouts:
-        """Dispatch one step's prompts as single rollouts and wait until each has finished. Under
+        """Run one step's rollout.prompts_per_step prompts as groups and return the groups kept.
+
+        Under algorithm.filter_groups (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476)
+        a step that lost groups, to the filter or to failed rollouts, runs fresh prompts as new
+        groups, round after round, until it has rollout.prompts_per_step groups or has used
+        algorithm.max_backfill_prompts extra prompts. A round dispatches only as many prompts as
+        groups are missing, so a step never has more than rollout.prompts_per_step groups and no
+        finished group is thrown away for being one too many."""
+        target, algo = self.cfg.rollout.prompts_per_step, self.cfg.algorithm
+        result = self.run_groups(self.next_prompts(target), policy_version)
+        cap = algo.max_backfill_prompts if algo.filter_groups else 0
+        while (missing := target - len(result.groups)) > 0 and result.backfill_prompts < cap:
+            rows = self.next_prompts(min(missing, cap - result.backfill_prompts))
+            result.merge(self.run_groups(rows, policy_version))
+            result.backfill_prompts += len(rows)
+        if algo.filter_groups and len(result.groups) < target:
+            logger.warning("step keeps %d of %d groups: algorithm.max_backfill_prompts=%d extra prompts used up "
+                           "(filtered: %s, dropped for failed rollouts: %d); it trains on fewer groups",
+                           len(result.groups), target, cap, dict(result.filtered_groups), result.dropped_groups)
+        return result
+
+    def run_groups(self, rows: list[PromptRow], policy_version: int) -> StepRollouts:
+        """Dispatch each row as a group of single rollouts and wait until each has finished; keep the
+        complete groups, minus those without signal under algorithm.filter_groups. Under
         agent.on_failed_rollout='refill' a failed rollout is re-run, so its group stays complete."""
         cfg = self.cfg
         requests: dict[int, dict] = {}  # by rollout_id; a refill re-sends one with a new id
         group_sizes: dict[int, int] = {}
-        for row in self.next_prompts():
+        for row in rows:
             group_id = next(self._group_ids)
             group_sizes[group_id] = cfg.rollout.n_samples_per_prompt
             for sample_index in range(cfg.rollout.n_samples_per_prompt):
@@ -134,6 +182,8 @@ class RolloutController:
             logger.warning("rollout %d failed (%s): %s; %s", outcome.rollout_id, outcome.failure, outcome.error, fate)
         result = gather_groups(outcomes, group_sizes)
         result.refilled_rollouts = sum(refills.values())
+        if cfg.algorithm.filter_groups:
+            result.groups, result.filtered_groups = filter_groups_by_score(result.groups, cfg.algorithm.filter_band)
         return result
 
     def dispatch(self, requests: dict[int, dict], request: dict) -> int:
@@ -177,3 +227,28 @@ def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -
             continue
         result.groups.append([e for o in members for e in o.experiences])
     return result
+
+
+def group_filter_reason(group: list[Experience], filter_band: tuple[float, float]) -> str:
+    """Why a group carries no learning signal, or '' when it does (DAPO dynamic sampling, Yu et al.
+    2025, arXiv:2503.14476): 'all_low' when every rollout's score is <= low, 'all_high' when every
+    one is >= high. Each rollout counts once, whatever its number of segments (they share its score)."""
+    low, high = filter_band
+    scores = {e.rollout_id: e.score for e in group}.values()
+    if all(score <= low for score in scores):
+        return "all_low"
+    if all(score >= high for score in scores):
+        return "all_high"
+    return ""
+
+
+def filter_groups_by_score(groups: list[list[Experience]],
+                           filter_band: tuple[float, float]) -> tuple[list[list[Experience]], Counter]:
+    """The groups with signal, in their order, and the count of the others by reason."""
+    kept, filtered = [], Counter()
+    for group in groups:
+        if reason := group_filter_reason(group, filter_band):
+            filtered[reason] += 1
+        else:
+            kept.append(group)
+    return kept, filtered

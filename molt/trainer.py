@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
-from molt.batch import (assign_to_ranks, build_micro_batches, compute_experience_advantages,
-                        count_micro_batches)
+from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts
 from molt.experience import Experience
+from molt.learner import BatchInfo, Learner
 from molt.metrics import MetricsLogger, StageTimer
 from molt.refit import RefitSender, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
@@ -45,6 +45,7 @@ class Trainer:
         self.actor = Actor(model, group=group, device=device, lr=cfg.train.learning_rate,
                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay,
                            max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
+        self.learner = Learner(cfg, self.actor, mesh=mesh, group=group, device=device)
         self.refit = RefitSender(model, is_sender=self.is_controller,
                                  bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
                                  timeout_seconds=cfg.refit.timeout_seconds)
@@ -65,13 +66,12 @@ class Trainer:
         for step in range(1, self.cfg.train.num_steps + 1):
             started = time.perf_counter()
             with self.timer.stage("rollout"):
-                experiences, advantages, num_micro_batches, rollout_metrics = self.next_batch()
+                experiences, info, num_micro_batches, rollout_metrics = self.next_batch()
             with self.timer.stage("train"):
                 micro_batches = build_micro_batches(
-                    experiences, advantages, max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
+                    experiences, max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
                     pad_token_id=self.pad_token_id, num_micro_batches=num_micro_batches)
-                train_metrics = self.actor.train_window(micro_batches, clip_eps_low=self.cfg.algorithm.clip_eps_low,
-                                                        clip_eps_high=self.cfg.algorithm.clip_eps_high)
+                train_metrics = self.learner.train_step(micro_batches, info)
             with self.timer.stage("refit"):
                 self.push_weights(version=step)
             check_metrics = self.check_refit() if self.refit_check_due(step) else {}
@@ -107,31 +107,34 @@ class Trainer:
 
     # -- batches ---------------------------------------------------------------------------
 
-    def next_batch(self) -> tuple[list[Experience], list[float], int, dict[str, float]]:
-        """This rank's experiences and advantages, the micro-batch count every rank uses, and metrics."""
+    def next_batch(self) -> tuple[list[Experience], BatchInfo, int, dict[str, float]]:
+        """This rank's experiences, the batch's rewards and groups, the micro-batch count every rank
+        uses, and metrics."""
         if self.is_controller:
             return self.assemble_batch(self.controller.collect_step(self.policy_version))
         message = unpack(self.inbox.recv())
         experiences = [Experience.from_dict(e) for e in message["experiences"]]
-        return experiences, message["advantages"], message["num_micro_batches"], {}
+        return experiences, BatchInfo(**message["info"]), message["num_micro_batches"], {}
 
     def assemble_batch(self, rollouts: StepRollouts):
-        """Advantages per rollout (each rollout counted once), then a balanced share per trainer rank."""
+        """A balanced share of the step's experiences per trainer rank, plus what every rank needs
+        to compute advantages over the whole batch (each rollout counted once)."""
         experiences = [e for group in rollouts.groups for e in group]
-        advantages = compute_experience_advantages(experiences)
         shares = assign_to_ranks(experiences, self.num_trainer_ranks)
+        batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
+                     rewards=[e.reward for e in experiences])
         budget = self.cfg.train.max_tokens_per_micro_batch
         num_micro_batches = max(1, *(count_micro_batches([experiences[i] for i in share],
                                                           max_tokens_per_micro_batch=budget) for share in shares))
         for rank in range(1, self.num_trainer_ranks):
             self.router.send(f"trainer-{rank}", {
                 "type": "batch", "experiences": [experiences[i].to_dict() for i in shares[rank]],
-                "advantages": [advantages[i] for i in shares[rank]], "num_micro_batches": num_micro_batches})
+                "info": BatchInfo(**batch, own=shares[rank]).to_dict(), "num_micro_batches": num_micro_batches})
         if not experiences:
             logger.warning("no complete group this step (failures: %s); the step trains on nothing",
                            dict(rollouts.failures))
         own = shares[0]
-        return ([experiences[i] for i in own], [advantages[i] for i in own], num_micro_batches,
+        return ([experiences[i] for i in own], BatchInfo(**batch, own=own), num_micro_batches,
                 _rollout_metrics(rollouts, experiences))
 
     # -- refit -----------------------------------------------------------------------------
@@ -188,6 +191,8 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
         "rollout/truncated_share": statistics.fmean(e.truncated for e in experiences) if experiences else math.nan,
     }
     metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in rollouts.failures.items()})
+    metrics.update({f"rollout/filtered_{reason}": float(n) for reason, n in rollouts.filtered_groups.items()})
+    metrics["rollout/backfill_prompts"] = float(rollouts.backfill_prompts)
     metrics.update({f"drift/{reason}": float(n) for reason, n in rollouts.ledger.items()})
     metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
     infos: dict[str, list[float]] = {}

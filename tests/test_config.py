@@ -83,6 +83,17 @@ def test_a_valid_config_passes(tmp_path):
     (lambda c: setattr(c.algorithm, "advantage_estimator", "ppo"), 2, "advantage_estimator='ppo'"),
     (lambda c: setattr(c.agent, "on_failed_rollout", "retry"), 2, "on_failed_rollout='retry': use drop_group or refill"),
     (lambda c: setattr(c.agent, "max_refills_per_group", -1), 2, "agent.max_refills_per_group=-1: must be >= 0"),
+    (lambda c: (setattr(c.algorithm, "advantage_estimator", "rloo"), setattr(c.rollout, "n_samples_per_prompt", 1)),
+     2, "advantage_estimator='rloo' needs rollout.n_samples_per_prompt > 1"),
+    (lambda c: (setattr(c.algorithm, "importance_level", "seq"), setattr(c.algorithm, "importance_mode", "trunc")),
+     2, "importance_level='seq' with importance_mode='trunc': seq and geo take only mask"),
+    (lambda c: setattr(c.algorithm, "importance_band", (2.0, 2.0)), 2, r"importance_band=\(2.0, 2.0\): need 0 <= low < high"),
+    (lambda c: setattr(c.algorithm, "importance_level", "row"), 2, "importance_level='row'"),
+    (lambda c: setattr(c.algorithm, "max_staleness", 2), 2, "max_staleness=2 trains on tokens sampled by older"),
+    (lambda c: setattr(c.algorithm, "kl_estimator", "k4"), 2, "kl_estimator='k4': use k1, k2 or k3"),
+    (lambda c: setattr(c.algorithm, "kl_target", 0.1), 2, "kl_target=0.1 adapts kl_coef, which is 0"),
+    (lambda c: setattr(c.algorithm, "dual_clip", 0.5), 2, "dual_clip=0.5: use 0"),
+    (lambda c: setattr(c.algorithm, "gamma", 0.0), 2, r"algorithm.gamma=0.0: must be in \(0, 1\]"),
 ])
 def test_validation_names_the_field(tmp_path, change, world_size, expected):
     cfg = _valid_config(tmp_path)
@@ -111,3 +122,40 @@ def test_config_cli_prints_the_resolved_config(tmp_path):
     assert json.loads(done.stdout)["train"]["num_steps"] == 7
     bad = subprocess.run(args + ["--set", "train.nm_steps=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "did you mean 'train.num_steps'" in bad.stderr
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda a: setattr(a, "filter_band", (1.0, 1.0)),
+     r"algorithm.filter_band=\(1.0, 1.0\): needs \(low, high\) with low < high"),
+    (lambda a: setattr(a, "filter_band", (0.5, 0.2)), r"algorithm.filter_band=\(0.5, 0.2\)"),
+    (lambda a: setattr(a, "filter_band", (0.5,)), r"algorithm.filter_band=\(0.5,\): needs \(low, high\)"),
+    (lambda a: setattr(a, "max_backfill_prompts", -1), "algorithm.max_backfill_prompts=-1: must be >= 0"),
+])
+def test_group_filter_settings_are_validated(tmp_path, change, expected):
+    cfg = _valid_config(tmp_path)
+    validate_config(cfg)  # the defaults pass, filtering on or off
+    cfg.algorithm.filter_groups = True
+    validate_config(cfg)
+    change(cfg.algorithm)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg)
+
+
+def test_group_filter_needs_groups_of_more_than_one(tmp_path):
+    cfg = _valid_config(tmp_path)
+    cfg.rollout.n_samples_per_prompt = 1
+    message = "algorithm.filter_groups=True needs rollout.n_samples_per_prompt > 1"
+    with pytest.raises(ConfigError) as without_filter:  # the estimator objects too; the filter only when on
+        validate_config(cfg)
+    assert message not in str(without_filter.value)
+    cfg.algorithm.filter_groups = True
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
+def test_group_filter_settings_are_set_from_the_command_line():
+    cfg = MoltConfig()
+    for item in ("algorithm.filter_groups=true", "algorithm.filter_band=0.1,0.9", "algorithm.max_backfill_prompts=8"):
+        apply_override(cfg, item)
+    algo = cfg.algorithm
+    assert (algo.filter_groups, algo.filter_band, algo.max_backfill_prompts) == (True, (0.1, 0.9), 8)

@@ -1,22 +1,27 @@
-"""The rollout controller: which groups a step keeps, and refilling failed rollouts (agent.on_failed_rollout)."""
+"""The rollout controller: which groups a step keeps, refilling failed rollouts (agent.on_failed_rollout),
+and filtering groups without signal with backfill from the prompt stream (algorithm.filter_groups)."""
 
 import json
+import logging
 import threading
+from collections import Counter
 
 import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
-from molt.controller import RolloutController, gather_groups, should_refill
+from molt.controller import (RolloutController, StepRollouts, filter_groups_by_score, gather_groups,
+                             group_filter_reason, should_refill)
 from molt.experience import Experience
 from molt.rollout import encode_outcome
 from molt.wire import Router, connect_dealer, pack, unpack
 
 
-def _outcome(rollout_id: int, group_id: int, failure: str = "") -> RolloutOutcome:
+def _outcome(rollout_id: int, group_id: int, failure: str = "", reward: float | None = None) -> RolloutOutcome:
+    reward = float(rollout_id) if reward is None else reward
     experiences = [] if failure else [Experience(
         token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -0.5], policy_versions=[-1, 0],
-        reward=float(rollout_id), score=float(rollout_id), group_id=group_id, rollout_id=rollout_id)]
+        reward=reward, score=reward, group_id=group_id, rollout_id=rollout_id)]
     return RolloutOutcome(rollout_id=rollout_id, group_id=group_id, experiences=experiences, failure=failure,
                           error="boom" if failure else "")
 
@@ -46,20 +51,33 @@ def test_gather_keeps_groups_whose_failed_rollouts_were_made_up_and_counts_every
     assert result.num_rollouts == 7
 
 
-def _stand_in_rollout_rank(address: str, identity: str, received: list[dict]) -> None:
-    """Answers rollout requests as a rollout rank would: sample 0 of group 0 fails on its first
-    attempt only, sample 0 of group 1 fails on every attempt, everything else succeeds."""
+def _serve_rollouts(address: str, identity: str, received: list[dict], answer, max_requests: int = 100) -> None:
+    """A stand-in rollout rank: records each request and sends back `answer(request, attempt)`,
+    attempt counting the requests for the same (group, sample) so far, this one included. Past
+    `max_requests` it reports an error, so a controller that never stops dispatching fails the test
+    instead of hanging it."""
     socket = connect_dealer(address, identity)
     socket.send(pack({"type": "ready", "rank": 1}))
     while (message := unpack(socket.recv()))["type"] != "shutdown":
         request = message["request"]
         received.append(request)
-        attempts = sum(r["group_id"] == request["group_id"] and r["sample_index"] == request["sample_index"]
-                       for r in received)
-        fails = request["sample_index"] == 0 and (request["group_id"] == 1 or attempts == 1 and request["group_id"] == 0)
-        outcome = _outcome(request["rollout_id"], request["group_id"], failure="agent_error" if fails else "")
-        socket.send(pack(encode_outcome(outcome)))
+        if len(received) > max_requests:
+            socket.send(pack({"type": "error", "during": "rollout", "error": f"over {max_requests} requests"}))
+            continue
+        attempt = sum(r["group_id"] == request["group_id"] and r["sample_index"] == request["sample_index"]
+                      for r in received)
+        socket.send(pack(encode_outcome(answer(request, attempt))))
     socket.close(0)
+
+
+def _stand_in_rollout_rank(address: str, identity: str, received: list[dict]) -> None:
+    """Sample 0 of group 0 fails on its first attempt only, sample 0 of group 1 fails on every
+    attempt, everything else succeeds."""
+    def answer(request: dict, attempt: int) -> RolloutOutcome:
+        group_id = request["group_id"]
+        fails = request["sample_index"] == 0 and (group_id == 1 or attempt == 1 and group_id == 0)
+        return _outcome(request["rollout_id"], group_id, failure="agent_error" if fails else "")
+    _serve_rollouts(address, identity, received, answer)
 
 
 @pytest.mark.parametrize("policy, num_groups, dropped, refilled, failed", [
@@ -93,3 +111,159 @@ def test_collect_step_refills_or_drops_over_real_sockets(tmp_path, policy, num_g
         for refill in refills:  # the same request (prompt, metadata, policy version 7), a new rollout_id
             assert refill == {**originals[refill["group_id"], refill["sample_index"]], "rollout_id": refill["rollout_id"]}
         assert len({r["rollout_id"] for r in received}) == len(received) == 8
+
+
+# -- filtering groups without signal (DAPO dynamic sampling) --------------------------------
+
+
+def _group(scores: list[float], segments: list[int] | None = None) -> list[Experience]:
+    """One group: rollout i has score scores[i] on each of its segments[i] segments (default one)."""
+    segments = segments or [1] * len(scores)
+    return [Experience(token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -0.5], policy_versions=[-1, 0],
+                       reward=0.0, score=score, group_id=0, rollout_id=i, segment_index=k)
+            for i, (score, num_segments) in enumerate(zip(scores, segments)) for k in range(num_segments)]
+
+
+@pytest.mark.parametrize("scores, band, expected", [
+    ([0, 0, 0], (0.0, 1.0), "all_low"),  # 0/1 rewards: all wrong
+    ([1, 1, 1], (0.0, 1.0), "all_high"),  # all right
+    ([0, 1, 0], (0.0, 1.0), ""),
+    ([-0.5, 0.0], (0.0, 1.0), "all_low"),  # the band edges belong to the band's outside: <= low
+    ([1.0, 2.0], (0.0, 1.0), "all_high"),  # >= high
+    ([0.0, 1.0], (0.0, 1.0), ""),  # one at each edge: a spread, kept
+    ([0.5, 0.5, 0.5], (0.0, 1.0), ""),  # equal but inside the band: kept (the rule is the band, not equality)
+    ([0.2, 0.3], (0.3, 0.9), "all_low"),
+    ([0.2, 0.4], (0.3, 0.9), ""),
+    ([0.9, 0.95], (0.3, 0.9), "all_high"),
+    ([0.85, 0.95], (0.3, 0.9), ""),
+    ([1.0], (0.0, 1.0), "all_high"),
+])
+def test_group_filter_reason_follows_the_band(scores, band, expected):
+    assert group_filter_reason(_group(scores), band) == expected
+
+
+def test_group_filter_counts_each_rollout_once_whatever_its_segments():
+    # Rollout 0 (score 0) has three segments, rollout 1 (score 0.5) one: taking experiences for
+    # rollouts (say the first n_samples_per_prompt = 2 of them) would see only rollout 0 and call
+    # the group all_low; per rollout, one score is inside the band, so the group is kept...
+    assert group_filter_reason(_group([0.0, 0.5], segments=[3, 1]), (0.0, 1.0)) == ""
+    # ...and a group whose every rollout sits at high is dropped however its segments split.
+    assert group_filter_reason(_group([1.0, 1.0], segments=[1, 4]), (0.0, 1.0)) == "all_high"
+
+
+def test_filter_groups_by_score_keeps_order_and_counts_reasons():
+    groups = [_group([1, 1]), _group([0, 1]), _group([0, 0]), _group([1, 0]), _group([1, 1])]
+    groups[1][0].reward, groups[3][0].reward = 11.0, 33.0  # tags to tell the kept ones apart
+    kept, filtered = filter_groups_by_score(groups, (0.0, 1.0))
+    assert [group[0].reward for group in kept] == [11.0, 33.0]
+    assert filtered == Counter(all_high=2, all_low=1)
+
+
+def test_step_rollouts_merge_appends_groups_and_adds_counts():
+    first = StepRollouts(groups=[_group([0, 1])], failures=Counter(timeout=1), dropped_groups=1, num_rollouts=4,
+                         filtered_groups=Counter(all_high=1), refilled_rollouts=1)
+    later = StepRollouts(groups=[_group([1, 0])], failures=Counter(timeout=2, agent_error=1), num_rollouts=5,
+                         filtered_groups=Counter(all_high=1, all_low=2), backfill_prompts=3)
+    first.merge(later)
+    assert [[e.score for e in g] for g in first.groups] == [[0, 1], [1, 0]]
+    assert first.failures == Counter(timeout=3, agent_error=1)
+    assert first.filtered_groups == Counter(all_high=2, all_low=2)
+    assert (first.dropped_groups, first.num_rollouts, first.refilled_rollouts, first.backfill_prompts) == (1, 9, 1, 3)
+
+
+def _scored_rollout_rank(address: str, identity: str, received: list[dict]) -> None:
+    """Each prompt row says the reward of each sample (metadata 'rewards'); a row with 'flaky' fails
+    sample 0 on its first attempt, one with 'broken' on every attempt."""
+    def answer(request: dict, attempt: int) -> RolloutOutcome:
+        metadata, sample = request["metadata"], request["sample_index"]
+        if sample == 0 and (metadata.get("flaky") and attempt == 1 or metadata.get("broken")):
+            return _outcome(request["rollout_id"], request["group_id"], failure="agent_error")
+        return _outcome(request["rollout_id"], request["group_id"], reward=float(metadata["rewards"][sample]))
+    _serve_rollouts(address, identity, received, answer)
+
+
+def _run_steps(tmp_path, rows: list[dict], num_steps: int, **algorithm) -> tuple[list[StepRollouts], list[dict]]:
+    """Run `num_steps` collect_steps (3 prompts x 2 samples, refill on) against the scored stand-in rank."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = MoltConfig()
+    cfg.data.train_path, cfg.data.shuffle = str(tmp_path / "train.jsonl"), False
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 3, 2
+    cfg.agent.on_failed_rollout, cfg.agent.max_refills_per_group = "refill", 1
+    for key, value in algorithm.items():
+        setattr(cfg.algorithm, key, value)
+    router, received = Router("127.0.0.1"), []
+    rank = threading.Thread(target=_scored_rollout_rank, args=(router.address, "rollout-1", received), daemon=True)
+    rank.start()
+    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    try:
+        controller.wait_for_ranks(num_trainer_ranks=1)
+        steps = [controller.collect_step(policy_version=step) for step in range(num_steps)]
+    finally:
+        controller.shutdown()
+        rank.join(10)
+        router.close()
+    return steps, received
+
+
+def _rows(rewards: list[list[float]], flaky: tuple[int, ...] = (), broken: tuple[int, ...] = ()) -> list[dict]:
+    return [{"prompt": f"q{i}", "label": "", "metadata": {"row": i, "rewards": r, "flaky": i in flaky,
+                                                           "broken": i in broken}}
+            for i, r in enumerate(rewards)]
+
+
+def _dispatched_rows(received: list[dict]) -> list[int]:
+    """The prompt row of each group, in dispatch order (a refill repeats its group, not its row)."""
+    return [row for _, row in dict.fromkeys((r["group_id"], r["metadata"]["row"]) for r in received)]
+
+
+def _kept_rows(step: StepRollouts, received: list[dict]) -> list[int]:
+    row_of_group = {r["group_id"]: r["metadata"]["row"] for r in received}
+    return [row_of_group[group[0].group_id] for group in step.groups]
+
+
+def test_filtered_groups_are_backfilled_and_unused_rows_wait_for_the_next_step(tmp_path):
+    rows = _rows([[0, 1], [1, 1], [1, 0],  # step 1: row 1 all right
+                  [0, 0], [1, 0], [0, 1],  # backfill: row 3 all wrong, row 4 (flaky) fills the step; 5 waits
+                  [1, 0], [0, 1], [1, 0],  # step 2 takes rows 5, 6, 7; 8 waits
+                  [0, 1], [1, 0], [0, 1]], flaky=(4,))  # step 3 takes 8, 9, 10
+    steps, received = _run_steps(tmp_path, rows, num_steps=3, filter_groups=True, max_backfill_prompts=6)
+    first = steps[0]
+    assert _kept_rows(first, received) == [0, 2, 4]  # dispatch order, exactly prompts_per_step groups
+    assert first.filtered_groups == Counter(all_high=1, all_low=1)
+    assert first.backfill_prompts == 2  # one prompt per round: only as many as groups are missing
+    # The backfill round ran the same failed-rollout handling: row 4's failed sample was refilled.
+    assert (first.refilled_rollouts, first.failures, first.num_rollouts) == (1, Counter(agent_error=1), 11)
+    assert all(len(group) == 2 for group in first.groups)
+    assert _kept_rows(steps[1], received) == [5, 6, 7] and _kept_rows(steps[2], received) == [8, 9, 10]
+    assert steps[1].backfill_prompts == steps[2].backfill_prompts == 0
+    # Every row once, in order: the rows a backfill left in the loader's batch were not lost.
+    assert _dispatched_rows(received) == list(range(11))
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_backfill_stops_at_the_cap_and_the_step_trains_on_fewer_groups(tmp_path, caplog, cap):
+    rows = _rows([[1, 1], [0, 0], [0, 1],  # one group of three has signal
+                  [1, 1], [1, 1], [1, 1]])  # and so would none of the backfill
+    with caplog.at_level(logging.WARNING, logger="molt"):
+        steps, received = _run_steps(tmp_path, rows, num_steps=1, filter_groups=True, max_backfill_prompts=cap)
+    step = steps[0]
+    assert _kept_rows(step, received) == [2]
+    assert step.backfill_prompts == cap and _dispatched_rows(received) == list(range(3 + cap))
+    assert step.filtered_groups == Counter(all_high=1 + cap, all_low=1)
+    assert f"step keeps 1 of 3 groups: algorithm.max_backfill_prompts={cap}" in caplog.text
+
+
+def test_a_group_dropped_for_failed_rollouts_is_backfilled_too(tmp_path):
+    rows = _rows([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]], broken=(1,))  # row 1 fails its refill too
+    steps, received = _run_steps(tmp_path, rows, num_steps=1, filter_groups=True)
+    step = steps[0]
+    assert _kept_rows(step, received) == [0, 2, 3] and _dispatched_rows(received) == [0, 1, 2, 3]
+    assert (step.dropped_groups, step.backfill_prompts, step.filtered_groups) == (1, 1, Counter())
+
+
+def test_without_filter_groups_flat_groups_are_kept_and_nothing_is_backfilled(tmp_path):
+    rows = _rows([[1, 1], [0, 0], [0, 1], [1, 0], [1, 0], [1, 0]])
+    steps, received = _run_steps(tmp_path, rows, num_steps=1)
+    assert _kept_rows(steps[0], received) == [0, 1, 2]
+    assert steps[0].backfill_prompts == 0 and not steps[0].filtered_groups
+    assert _dispatched_rows(received) == [0, 1, 2]

@@ -1,0 +1,20 @@
+"""The trainer's per-step metrics (the loop itself runs in tests/test_train_e2e.py)."""
+
+from collections import Counter
+
+from molt.controller import StepRollouts
+from molt.experience import Experience
+from molt.trainer import _rollout_metrics
+
+
+def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():
+    experiences = [Experience(token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -0.5],
+                              policy_versions=[-1, 0], reward=float(i % 2), score=float(i % 2), group_id=0,
+                              rollout_id=i) for i in range(2)]
+    rollouts = StepRollouts(groups=[experiences], num_rollouts=10,
+                            filtered_groups=Counter(all_high=3, all_low=1), backfill_prompts=4)
+    metrics = _rollout_metrics(rollouts, experiences)
+    assert (metrics["rollout/filtered_all_high"], metrics["rollout/filtered_all_low"]) == (3.0, 1.0)
+    assert metrics["rollout/backfill_prompts"] == 4.0
+    quiet = _rollout_metrics(StepRollouts(groups=[experiences], num_rollouts=2), experiences)
+    assert quiet["rollout/backfill_prompts"] == 0.0 and not any(k.startswith("rollout/filtered_") for k in quiet)
