@@ -172,6 +172,21 @@ def test_a_model_vllm_cannot_load_stops_the_job_naming_it(tmp_path, tiny_model_d
     assert f"model.path={str(broken)!r}" in done.stderr
 
 
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_data_dir, sdk):
+    """Issue 3's two seed programs, unchanged but for `grade`, drive a real training job."""
+    out = tmp_path / "run"
+    agent = Path(__file__).parent / "agents" / f"seed_{sdk}.py"
+    done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": agent, "train.num_steps": 2, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # a reply whose first token ends the turn has no text block: that rollout fails
+        assert row["drift/first_turn"] == row["rollout/num_rollouts"] == 16
+        assert row["rollout/num_groups"] >= 2 and row["train/num_action_tokens"] > 0, row
+
+
 @pytest.mark.parametrize("recipe", ["tool_agent", "tool_agent_anthropic"])
 def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, demo_data_dir, recipe):
     out = tmp_path / "run"
