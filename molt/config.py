@@ -63,9 +63,10 @@ class AgentConfig:
     on_failed_rollout: str = "drop_group"
     """What a failed rollout does to its group: drop_group (drop the whole group) | refill (re-run it)."""
     max_refills_per_group: int = 2
-    """refill only: replacement rollouts one group may get in a step; a group needing more is dropped."""
+    """refill only: replacement rollouts one group may get; a group needing more is dropped."""
     max_concurrent_rollouts: int = 256
-    """Rollouts one rollout rank runs at a time."""
+    """Rollouts one rollout rank runs at a time, over all its agent workers (the rank holds the rest
+    back and hands each to the worker with the fewest in flight)."""
     endpoint_host: str = "127.0.0.1"
     """Interface the ChatAgent session endpoint binds to (loopback: agents run on the same node)."""
     share_tls_context: bool = True
@@ -95,6 +96,14 @@ class RolloutConfig:
     """Longest wait for the engines to come up."""
     enforce_eager: bool = True
     """Skip CUDA graph capture / compilation (faster start, slower decode)."""
+    partial_rollout: bool = False
+    """At a refit, keep the requests in flight and continue them from their generated prefixes under
+    the new weights (each token keeps the version and log-prob it was sampled with; needs
+    algorithm.importance_level). False: they finish under the old weights first, and a multi-turn
+    rollout whose next turn runs under a new version starts a new segment there."""
+    num_agent_workers: int = 1
+    """Agent worker processes per rollout rank: each imports the agent file and runs many rollouts
+    with asyncio; user agent code runs only there, never in the rank with the engine."""
 
 
 @dataclass(kw_only=True)
@@ -160,7 +169,9 @@ class AlgorithmConfig:
     value_clip: float = 0.2
     """gae: clip the value prediction to old value +- this in the value loss; 0 = unclipped."""
     max_staleness: int = 0
-    """Policy versions a rollout may lag at consumption; 0 = synchronous."""
+    """Policy versions between a rollout's dispatch and the step that trains on it: a rollout
+    dispatched at version v is trained by a step that updates version v..v+k (then k+1 steps of
+    prompts may be in flight while the trainer trains); 0 = synchronous."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop complete groups whose scores carry no signal (see filter_band) and
     run fresh prompts as new groups until the step has rollout.prompts_per_step groups."""
@@ -347,6 +358,11 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
     check(rollout.prompts_per_step >= 1, f"rollout.prompts_per_step={rollout.prompts_per_step}: need at least 1")
     check(rollout.n_samples_per_prompt >= 1,
           f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: need at least 1")
+    check(rollout.num_agent_workers >= 1,
+          f"rollout.num_agent_workers={rollout.num_agent_workers}: need at least 1 (agent code runs only in "
+          f"agent worker processes)")
+    check(cfg.agent.max_concurrent_rollouts >= 1,
+          f"agent.max_concurrent_rollouts={cfg.agent.max_concurrent_rollouts}: need at least 1")
     estimator = algo.advantage_estimator
     check(estimator in GROUP_ESTIMATORS + TOKEN_ESTIMATORS,
           f"algorithm.advantage_estimator={estimator!r}: use one of {', '.join(GROUP_ESTIMATORS + TOKEN_ESTIMATORS)}")
@@ -387,8 +403,11 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
           f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
           f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")
     check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
-    check(algo.max_staleness == 0,
-          f"algorithm.max_staleness={algo.max_staleness}: only synchronous training (0) is available yet")
+    check(algo.max_staleness >= 0, f"algorithm.max_staleness={algo.max_staleness}: must be >= 0 (0 = synchronous)")
+    check(not rollout.partial_rollout or level != "off",
+          f"rollout.partial_rollout=True continues rollouts under new weights, so one experience holds tokens "
+          f"of several versions: it needs algorithm.importance_level (e.g. token, with importance_mode trunc) "
+          f"to correct for them (algorithm.importance_level={level!r})")
     check(len(algo.filter_band) == 2 and algo.filter_band[0] < algo.filter_band[1],
           f"algorithm.filter_band={tuple(algo.filter_band)}: needs (low, high) with low < high "
           f"(e.g. (0.0, 1.0) drops all-wrong and all-right groups of 0/1 rewards)")

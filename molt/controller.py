@@ -2,8 +2,26 @@
 rollout ranks, refills or drops groups with a failed rollout, gathers complete groups, filters
 groups without signal and backfills them (DAPO dynamic sampling), and assembles each step's batch.
 
-This is the synchronous controller: a step dispatches its prompts, waits for their groups and
-hands them to the trainer; refits happen with no rollout in flight.
+Streaming with bounded staleness (`algorithm.max_staleness = k`, DESIGN section 6): groups are
+dispatched ahead and stay in flight while the trainer trains, with no global rollout round. At
+policy version v the controller keeps the groups of the next min(k + 1, steps left) steps
+dispatched (`rollout.prompts_per_step` each). A step releases groups strictly in dispatch order,
+waiting for the oldest one to complete, and takes the first `prompts_per_step` that survive the
+failed-rollout rule and the filter; a failed or filtered group is replaced by the next group in
+the queue, or, when the queue is empty, by prompts dispatched there and then (the backfill).
+
+Why dispatch order rather than completion order: completion order would keep letting short
+rollouts overtake long ones, biasing every batch toward short responses and dropping long groups
+as stale; in dispatch order a batch holds the same prompts whatever k is, only their versions
+differ. It bounds the lag by construction: a group dispatched at version v has fewer than
+(k + 1) x prompts_per_step groups ahead of it, each step releases at least prompts_per_step of them,
+so the step that trains version v + k has released it. A group found older than the bound anyway
+is dropped and counted (reason 'stale'); the check is a safety net. With k = 0 the queue holds only
+the current step's groups: a step dispatches its prompts, waits for them, refills and backfills
+round by round, with refits between steps and no rollout in flight: the synchronous trainer,
+through the same code.
+
+Accounting, in rollouts, checked every step: dispatched = consumed + dropped (by reason) + in flight.
 """
 
 from __future__ import annotations
@@ -11,21 +29,31 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
 from molt.dataset import PromptRow, build_prompt_loader
-from molt.experience import Experience
+from molt.experience import Experience, split_at_version_changes
 from molt.rollout import decode_outcome
 from molt.wire import Router
 
 logger = logging.getLogger("molt")
 
+# Why a dispatched rollout was not trained on (accounting and metrics):
+DROP_REASONS = ("failed",  # it failed (refilled or not)
+                "failed_group",  # it succeeded, but its group was dropped for a failed rollout
+                "filtered",  # its group carried no signal (algorithm.filter_groups)
+                "stale")  # its group would have been trained beyond algorithm.max_staleness
+
 
 class RolloutRankError(RuntimeError):
     """A rollout rank reported a failure; the message names the rank."""
+
+
+class AccountingError(RuntimeError):
+    """Dispatched rollouts do not add up to consumed + dropped + in flight: rollouts were lost."""
 
 
 @dataclass
@@ -39,10 +67,16 @@ class StepRollouts:
     num_rollouts: int = 0  # rollouts run, refills included
     ledger: Counter = field(default_factory=Counter)  # ChatAgent turns by how they joined a segment
     filtered_groups: Counter = field(default_factory=Counter)  # complete groups dropped for no signal, by reason
-    backfill_prompts: int = 0  # prompts dispatched after the first round to replace lost groups
+    backfill_prompts: int = 0  # groups released beyond prompts_per_step to replace lost ones
+    loop_lag_max_seconds: float = 0.0  # most an agent worker's or rollout rank's event loop lagged
+    stale_groups: int = 0  # complete groups dropped as older than algorithm.max_staleness
+    consumed_rollouts: int = 0  # rollouts whose experiences are in `groups`
+    dropped_rollouts: Counter = field(default_factory=Counter)  # rollouts not trained on, by DROP_REASONS
+    trained_version: int = 0  # the policy version this step's update starts from
+    accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
 
     def merge(self, later: StepRollouts) -> None:
-        """Add a later round of the same step: its groups go after these (dispatch order), counts add up."""
+        """Add later groups of the same step: they go after these (dispatch order), counts add up."""
         self.groups += later.groups
         self.failures.update(later.failures)
         self.dropped_groups += later.dropped_groups
@@ -51,6 +85,46 @@ class StepRollouts:
         self.ledger.update(later.ledger)
         self.filtered_groups.update(later.filtered_groups)
         self.backfill_prompts += later.backfill_prompts
+        self.loop_lag_max_seconds = max(self.loop_lag_max_seconds, later.loop_lag_max_seconds)
+        self.stale_groups += later.stale_groups
+        self.consumed_rollouts += later.consumed_rollouts
+        self.dropped_rollouts.update(later.dropped_rollouts)
+
+
+@dataclass
+class GroupInFlight:
+    """One prompt's group from its dispatch until a step releases it."""
+
+    group_id: int
+    size: int  # rollout.n_samples_per_prompt
+    dispatch_version: int  # policy version when it was dispatched (its refills may be newer)
+    pending: set[int] = field(default_factory=set)  # rollout ids dispatched and not back yet
+    outcomes: list[RolloutOutcome] = field(default_factory=list)  # back, in arrival order
+    num_refills: int = 0
+
+
+@dataclass
+class Accounting:
+    """Run totals, in rollouts. In flight is counted from the queue itself, not kept as a total, so
+    the invariant compares two independent tallies."""
+
+    dispatched: int = 0
+    consumed: int = 0
+    dropped: Counter = field(default_factory=Counter)  # by DROP_REASONS
+
+    def check(self, in_flight: int) -> dict[str, float]:
+        """The run totals as metrics; raises AccountingError when they do not add up."""
+        dropped = sum(self.dropped.values())
+        if self.dispatched != self.consumed + dropped + in_flight:
+            message = (f"rollout accounting broken: dispatched {self.dispatched} != consumed {self.consumed} + "
+                       f"dropped {dropped} {dict(self.dropped)} + in flight {in_flight}; rollouts were lost or "
+                       f"counted twice")
+            logger.error("%s", message)
+            raise AccountingError(message)
+        metrics = {"rollout/dispatched_total": float(self.dispatched), "rollout/consumed_total": float(self.consumed),
+                   "rollout/dropped_total": float(dropped), "rollout/in_flight": float(in_flight)}
+        metrics.update({f"rollout/dropped_{reason}_total": float(self.dropped[reason]) for reason in DROP_REASONS})
+        return metrics
 
 
 class RolloutController:
@@ -70,6 +144,9 @@ class RolloutController:
         self._group_ids = itertools.count()
         self._next_rank = itertools.cycle(rollout_ranks)
         self._backlog: list[tuple[str, dict]] = []
+        self._queue: deque[GroupInFlight] = deque()  # dispatched groups not yet released, in dispatch order
+        self._requests: dict[int, tuple[GroupInFlight, dict]] = {}  # rollout id -> its group and request, until back
+        self.accounting = Accounting()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -121,77 +198,127 @@ class RolloutController:
             self._prompts = iter(self.loader)
             return next(self._prompts)
 
-    def collect_step(self, policy_version: int) -> StepRollouts:
-        """Run one step's rollout.prompts_per_step prompts as groups and return the groups kept.
+    @property
+    def num_in_flight(self) -> int:
+        """Dispatched rollouts not yet consumed or dropped: running, or back in a group not yet released."""
+        return sum(len(group.pending) + len(group.outcomes) for group in self._queue)
 
-        Under algorithm.filter_groups (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476)
-        a step that lost groups, to the filter or to failed rollouts, runs fresh prompts as new
-        groups, round after round, until it has rollout.prompts_per_step groups or has used
-        algorithm.max_backfill_prompts extra prompts. A round dispatches only as many prompts as
-        groups are missing, so a step never has more than rollout.prompts_per_step groups and no
-        finished group is thrown away for being one too many."""
+    def collect_step(self, policy_version: int) -> StepRollouts:
+        """The groups of the step that trains `policy_version` -> `policy_version + 1`.
+
+        First tops up the dispatch window (see the module docstring), then releases groups in
+        dispatch order until the step has rollout.prompts_per_step groups. Under
+        algorithm.filter_groups (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476) a group
+        lost to the filter or to failed rollouts is replaced by the next one; the step releases at
+        most algorithm.max_backfill_prompts groups beyond prompts_per_step. When the queue runs dry
+        it dispatches only as many prompts as groups are missing, so a step never has more than
+        prompts_per_step groups and no finished group is thrown away for being one too many."""
         target, algo = self.cfg.rollout.prompts_per_step, self.cfg.algorithm
-        result = self.run_groups(self.next_prompts(target), policy_version)
-        cap = algo.max_backfill_prompts if algo.filter_groups else 0
-        while (missing := target - len(result.groups)) > 0 and result.backfill_prompts < cap:
-            rows = self.next_prompts(min(missing, cap - result.backfill_prompts))
-            result.merge(self.run_groups(rows, policy_version))
-            result.backfill_prompts += len(rows)
+        max_released = target + (algo.max_backfill_prompts if algo.filter_groups else 0)
+        self.top_up(policy_version)
+        result, released = StepRollouts(groups=[], trained_version=policy_version), 0
+        while len(result.groups) < target and released < max_released:
+            if not self._queue:  # nothing dispatched left: a backfill round
+                self.dispatch_groups(self.next_prompts(min(target - len(result.groups), max_released - released)),
+                                     policy_version)
+            group = self._queue[0]
+            while group.pending:
+                self.receive_outcome(policy_version)
+            self._queue.popleft()
+            result.merge(self.release(group, policy_version))
+            released += 1
+        result.backfill_prompts = released - target if released > target else 0
         if algo.filter_groups and len(result.groups) < target:
             logger.warning("step keeps %d of %d groups: algorithm.max_backfill_prompts=%d extra prompts used up "
                            "(filtered: %s, dropped for failed rollouts: %d); it trains on fewer groups",
-                           len(result.groups), target, cap, dict(result.filtered_groups), result.dropped_groups)
+                           len(result.groups), target, algo.max_backfill_prompts, dict(result.filtered_groups),
+                           result.dropped_groups)
+        result.accounting = self.accounting.check(self.num_in_flight)
         return result
 
-    def run_groups(self, rows: list[PromptRow], policy_version: int) -> StepRollouts:
-        """Dispatch each row as a group of single rollouts and wait until each has finished; keep the
-        complete groups, minus those without signal under algorithm.filter_groups. Under
-        agent.on_failed_rollout='refill' a failed rollout is re-run, so its group stays complete."""
+    def top_up(self, policy_version: int) -> None:
+        """Dispatch prompts until the groups not yet released cover every step that may still train
+        on a rollout dispatched now: steps policy_version + 1 .. + 1 + max_staleness, within
+        train.num_steps."""
+        steps = min(self.cfg.algorithm.max_staleness + 1, self.cfg.train.num_steps - policy_version)
+        missing = steps * self.cfg.rollout.prompts_per_step - len(self._queue)
+        if missing > 0:
+            self.dispatch_groups(self.next_prompts(missing), policy_version)
+
+    def dispatch_groups(self, rows: list[PromptRow], policy_version: int) -> None:
+        """Dispatch each row as a group of rollout.n_samples_per_prompt single rollouts."""
         cfg = self.cfg
-        requests: dict[int, dict] = {}  # by rollout_id; a refill re-sends one with a new id
-        group_sizes: dict[int, int] = {}
         for row in rows:
-            group_id = next(self._group_ids)
-            group_sizes[group_id] = cfg.rollout.n_samples_per_prompt
-            for sample_index in range(cfg.rollout.n_samples_per_prompt):
-                self.dispatch(requests, {
-                    "group_id": group_id, "sample_index": sample_index,
+            group = GroupInFlight(group_id=next(self._group_ids), size=cfg.rollout.n_samples_per_prompt,
+                                  dispatch_version=policy_version)
+            self._queue.append(group)
+            for sample_index in range(group.size):
+                self.dispatch(group, {
+                    "group_id": group.group_id, "sample_index": sample_index,
                     "messages": row.messages, "label": row.label, "tools": row.tools,
                     "sampling": {"max_tokens": cfg.rollout.max_response_tokens,
                                  "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p},
                     "max_length": cfg.rollout.max_length, "max_turns": cfg.agent.max_turns,
                     "policy_version": policy_version, "metadata": row.metadata,
                 })
+
+    def dispatch(self, group: GroupInFlight, request: dict) -> int:
+        """Send one rollout request, under a fresh rollout_id, to the next rollout rank."""
+        request = {**request, "rollout_id": next(self._rollout_ids)}
+        self._requests[request["rollout_id"]] = (group, request)
+        group.pending.add(request["rollout_id"])
+        self.accounting.dispatched += 1
+        self.router.send(f"rollout-{next(self._next_rank)}", {"type": "rollout", "request": request})
+        return request["rollout_id"]
+
+    def receive_outcome(self, policy_version: int) -> None:
+        """Take one rollout outcome into its group; a failed rollout is refilled (at the current
+        version) or dooms its group, per agent.on_failed_rollout."""
+        cfg = self.cfg
         # Each rollout ends by itself within the rollout timeout, so a longer silence (allowing for
         # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
-        outcomes, refills = [], Counter()  # refills: by group_id
-        while len(outcomes) < len(requests):
-            what = f"rollouts ({len(outcomes)} of {len(requests)} back)"
-            outcome = decode_outcome(self.expect("outcome", 1, timeout, what)[0])
-            outcomes.append(outcome)
-            if not outcome.failure:
-                continue
-            if should_refill(refills[outcome.group_id], cfg.agent):
-                refills[outcome.group_id] += 1
-                replacement = {**requests[outcome.rollout_id], "policy_version": policy_version}
-                fate = f"refilled as rollout {self.dispatch(requests, replacement)}"
-            else:
-                fate = "its group is dropped" + (" (agent.max_refills_per_group used up)"
-                                                 if cfg.agent.on_failed_rollout == "refill" else "")
-            logger.warning("rollout %d failed (%s): %s; %s", outcome.rollout_id, outcome.failure, outcome.error, fate)
-        result = gather_groups(outcomes, group_sizes)
-        result.refilled_rollouts = sum(refills.values())
-        if cfg.algorithm.filter_groups:
-            result.groups, result.filtered_groups = filter_groups_by_score(result.groups, cfg.algorithm.filter_band)
-        return result
+        what = f"rollouts ({self.num_in_flight} in flight)"
+        outcome = decode_outcome(self.expect("outcome", 1, timeout, what)[0])
+        group, request = self._requests.pop(outcome.rollout_id)
+        group.pending.discard(outcome.rollout_id)
+        if not cfg.rollout.partial_rollout:
+            split_by_version(outcome)
+        group.outcomes.append(outcome)
+        if not outcome.failure:
+            return
+        if should_refill(group.num_refills, cfg.agent):
+            group.num_refills += 1
+            replacement = {**request, "policy_version": policy_version}
+            fate = f"refilled as rollout {self.dispatch(group, replacement)}"
+        else:
+            fate = "its group is dropped" + (" (agent.max_refills_per_group used up)"
+                                             if cfg.agent.on_failed_rollout == "refill" else "")
+        logger.warning("rollout %d failed (%s): %s; %s", outcome.rollout_id, outcome.failure, outcome.error, fate)
 
-    def dispatch(self, requests: dict[int, dict], request: dict) -> int:
-        """Send one rollout request, under a fresh rollout_id, to the next rollout rank."""
-        request = {**request, "rollout_id": next(self._rollout_ids)}
-        requests[request["rollout_id"]] = request
-        self.router.send(f"rollout-{next(self._next_rank)}", {"type": "rollout", "request": request})
-        return request["rollout_id"]
+    def release(self, group: GroupInFlight, policy_version: int) -> StepRollouts:
+        """What a complete group gives the step that trains `policy_version`: its experiences, or
+        the reason it is dropped (a failed rollout not made up, too stale, no signal)."""
+        part = gather_groups(group.outcomes, {group.group_id: group.size})
+        part.refilled_rollouts = group.num_refills
+        num_good = sum(not outcome.failure for outcome in group.outcomes)
+        part.dropped_rollouts["failed"] = len(group.outcomes) - num_good
+        if part.dropped_groups:
+            part.dropped_rollouts["failed_group"] = num_good
+        elif policy_version - group.dispatch_version > self.cfg.algorithm.max_staleness:
+            logger.warning("group %d, dispatched at version %d, is too stale for the step training version %d "
+                           "(algorithm.max_staleness=%d); dropped", group.group_id, group.dispatch_version,
+                           policy_version, self.cfg.algorithm.max_staleness)
+            part.groups, part.stale_groups, part.dropped_rollouts["stale"] = [], 1, num_good
+        elif self.cfg.algorithm.filter_groups:
+            part.groups, part.filtered_groups = filter_groups_by_score(part.groups, self.cfg.algorithm.filter_band)
+            if part.filtered_groups:
+                part.dropped_rollouts["filtered"] = num_good
+        if part.groups:
+            part.consumed_rollouts = num_good
+        self.accounting.consumed += part.consumed_rollouts
+        self.accounting.dropped.update(part.dropped_rollouts)
+        return part
 
     # -- refit and probes ------------------------------------------------------------------
 
@@ -201,12 +328,29 @@ class RolloutController:
         return [r["logprobs"] for r in replies]
 
     def shutdown(self) -> None:
+        if self._queue:
+            logger.info("stopping with %d rollouts in flight (%d groups dispatched for steps past the last)",
+                        self.num_in_flight, len(self._queue))
         self.send_to_rollout_ranks({"type": "shutdown"})
 
 
 def should_refill(num_refills: int, agent: AgentConfig) -> bool:
-    """Whether a failed rollout is re-run, given the refills its group already had this step."""
+    """Whether a failed rollout is re-run, given the refills its group already had."""
     return agent.on_failed_rollout == "refill" and num_refills < agent.max_refills_per_group
+
+
+def split_by_version(outcome: RolloutOutcome) -> None:
+    """Without partial rollout no experience may span two policy versions: a multi-turn rollout
+    whose next turn ran under a newer version is split there (molt.experience.split_at_version_changes),
+    counted in its drift ledger as 'version_change'."""
+    pieces = [split_at_version_changes(e) for e in outcome.experiences]
+    num_changes = sum(len(p) - 1 for p in pieces)
+    if not num_changes:
+        return
+    outcome.experiences = [e for p in pieces for e in p]
+    for index, experience in enumerate(outcome.experiences):
+        experience.segment_index = index
+    outcome.ledger = {**outcome.ledger, "version_change": outcome.ledger.get("version_change", 0) + num_changes}
 
 
 def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -> StepRollouts:
@@ -216,6 +360,7 @@ def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -
     result = StepRollouts(groups=[], num_rollouts=len(outcomes))
     for outcome in outcomes:
         result.ledger.update(outcome.ledger)
+        result.loop_lag_max_seconds = max(result.loop_lag_max_seconds, outcome.loop_lag_max_seconds)
         if outcome.failure:
             result.failures[outcome.failure] += 1
         else:
@@ -227,6 +372,20 @@ def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -
             continue
         result.groups.append([e for o in members for e in o.experiences])
     return result
+
+
+def compute_staleness(groups: list[list[Experience]], trained_version: int) -> dict[str, float]:
+    """Staleness metrics of a step's groups: mean and max version lag of the action tokens (the
+    trained version minus the version that sampled the token; nan and 0 without action tokens), and
+    how many experiences hold action tokens of more than one version (partial rollout)."""
+    lags, multi_version = [], 0
+    for experience in (e for group in groups for e in group):
+        versions = [v for is_action, v in zip(experience.action_mask, experience.policy_versions) if is_action]
+        lags += [trained_version - version for version in versions]
+        multi_version += len(set(versions)) > 1
+    return {"staleness/mean": sum(lags) / len(lags) if lags else float("nan"),
+            "staleness/max": float(max(lags, default=0)),
+            "staleness/multi_version_experiences": float(multi_version)}
 
 
 def group_filter_reason(group: list[Experience], filter_band: tuple[float, float]) -> str:

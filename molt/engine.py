@@ -22,8 +22,15 @@ class Generation:
 
     token_ids: list[int]  # [response_tokens]
     logprobs: list[float]  # [response_tokens] log-prob of each sampled token at the sampling temperature
-    policy_version: int  # weight version that sampled every token of this call
+    policy_versions: list[int]  # [response_tokens] weight version that sampled each token
     finish_reason: str  # 'stop' | 'length' | 'abort'
+
+    @property
+    def policy_version(self) -> int:
+        """The version the call started under (-1 if it sampled nothing): that of every token unless a
+        partial-rollout refit landed mid-call, and then the oldest, so a lag computed from it is never
+        understated."""
+        return self.policy_versions[0] if self.policy_versions else -1
 
 
 @dataclass(kw_only=True)
@@ -33,8 +40,10 @@ class GenerationDelta:
     token_ids: list[int]  # [new_tokens]
     logprobs: list[float]  # [new_tokens]
     text: str  # detokenized text of the new tokens
-    policy_version: int
     finish_reason: str | None  # set on the last delta: 'stop' | 'length' | 'abort'
+    # On the last delta only (vLLM reports versions when a request finishes): the weight version
+    # that sampled each token of the WHOLE generation, [response_tokens]; None on earlier deltas.
+    policy_versions: list[int] | None = None
 
 
 class EngineStartError(RuntimeError):
@@ -44,17 +53,21 @@ class EngineStartError(RuntimeError):
 class RolloutEngine:
     """One vLLM AsyncLLM (engine core in its own process) plus Molt's weight version."""
 
-    def __init__(self, llm, tokenizer):
+    def __init__(self, llm, tokenizer, *, seed: int = 0):
         self.llm = llm
         self.tokenizer = tokenizer
+        self.seed = seed
         self.policy_version = 0
         self._request_ids = itertools.count()
+        # (policy version, prompt ids) -> generations of that prompt so far under that version; see _sampling_seed.
+        self._prompt_counts: dict[tuple[int, int], int] = {}
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
         """Build the engine; raises EngineStartError naming the model path on failure."""
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if cfg.rollout.engine_threads > 0:
@@ -72,6 +85,11 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
+            # Every request carries a sampling seed (_sampling_seed). When vLLM throws away the
+            # sample of a partial (chunked) prefill it rewinds that request's generator, which a CPU
+            # generator cannot do: the engine dies ("CPU Generator does not use offset"). On CPU
+            # each prefill therefore runs whole (max_num_batched_tokens grows to max_model_len).
+            enable_chunked_prefill=not current_platform.is_cpu(),
         )
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -81,39 +99,65 @@ class RolloutEngine:
                 f"vLLM could not load model.path={cfg.model.path!r}: {type(error).__name__}: {error}. "
                 f"Check that it is a Hugging Face model directory of an architecture vLLM supports "
                 f"(tools/make_tiny_model.py writes one)") from error
-        return cls(llm, tokenizer)
+        return cls(llm, tokenizer, seed=seed)
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
         """The whole generation at once (one engine output, not one per step)."""
-        sampled, logprobs, version, finish_reason = [], [], self.policy_version, None
+        sampled, logprobs, versions, finish_reason = [], [], [], None
         async for delta in self.stream(token_ids, sampling, incremental=False):
             sampled += delta.token_ids
             logprobs += delta.logprobs
-            version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
-        return Generation(token_ids=sampled, logprobs=logprobs, policy_version=version,
+            versions = delta.policy_versions or versions
+            finish_reason = delta.finish_reason or finish_reason
+        return Generation(token_ids=sampled, logprobs=logprobs, policy_versions=versions,
                           finish_reason=finish_reason or "abort")
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
                      seed: int | None = None, incremental: bool = True) -> AsyncIterator[GenerationDelta]:
         """Generate, yielding what each engine step added (`incremental`), or everything as one
         delta at the end, which spares the per-step outputs when no one reads them as they come.
-        Closing the iterator early (e.g. the HTTP client went away) aborts the engine request."""
+        Closing the iterator early (e.g. the HTTP client went away) aborts the engine request.
+
+        Per-token versions come from the engine core itself: it labels the output of every engine
+        step with the weight version in force (`update_weight_version`, which Molt sets only while
+        generation is paused, after loading the weights), and vLLM hands back those labels as spans
+        over the output tokens when the request finishes. A token sampled before a refit therefore
+        keeps the old version however late its delta is read here; a request retained across a
+        partial-rollout refit has the old version up to the swap and the new one after it.
+
+        Without `seed`, the request gets one derived from its prompt (see _sampling_seed), so what
+        it samples does not depend on how vLLM happens to batch it with others."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        version = self.policy_version  # used only if vLLM reports no version span
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                    top_p=sampling.top_p, logprobs=0, stop=stop, seed=seed,
+                                    top_p=sampling.top_p, logprobs=0, stop=stop,
+                                    seed=self._sampling_seed(token_ids) if seed is None else seed,
                                     output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY)
-        version = self.policy_version
+        num_sampled = 0
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
                                               request_id=f"molt-stream-{next(self._request_ids)}"):
             completion = output.outputs[0]
             sampled = list(completion.token_ids)
+            num_sampled += len(sampled)
             yield GenerationDelta(
                 token_ids=sampled, logprobs=[float(step[token].logprob) for token, step in zip(sampled, completion.logprobs or [])],
-                text=completion.text, policy_version=version,
-                finish_reason=completion.finish_reason if output.finished else None)
+                text=completion.text, finish_reason=completion.finish_reason if output.finished else None,
+                policy_versions=(token_versions(completion.weight_versions, num_sampled, version)
+                                 if output.finished else None))
+
+    def _sampling_seed(self, token_ids: list[int]) -> int:
+        """A sampling seed from the policy version, the prompt ids and how many generations of that
+        prompt this version already ran. vLLM then samples each request from its own generator, so a
+        run with fixed seeds samples the same tokens whatever batches its requests share (the global
+        generator would hand each request different random numbers in every batching). Only the
+        order in which identical prompts arrive matters (a group's rollouts: dispatch order)."""
+        key = (self.policy_version, hash(tuple(token_ids)))
+        occurrence = self._prompt_counts.get(key, 0)
+        self._prompt_counts[key] = occurrence + 1
+        return hash((self.seed, *key, occurrence)) & (2**63 - 1)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token given its prefix at temperature 1 (first entry 0): the refit check."""
@@ -131,9 +175,28 @@ class RolloutEngine:
         await self.llm.collective_rpc("molt_join_refit_group", kwargs=kwargs)
 
     async def receive_weights(self, version: int) -> None:
-        """Receive one refit broadcast and load it; generation must be paused by the caller."""
+        """Receive one refit broadcast and load it; generation must be paused by the caller. The
+        engine core labels what it samples from here on with `version` (see `stream`)."""
         await self.llm.collective_rpc("molt_receive_weights")
+        await self.llm.update_weight_version(str(version))
         self.policy_version = version
+        self._prompt_counts.clear()  # its keys carry the version: older ones can never match again
+
+    async def swap_weights(self, version: int, *, partial_rollout: bool) -> None:
+        """Pause generation, receive one refit broadcast, resume. Requests submitted meanwhile wait
+        in the engine's queue and start under the new weights; none is aborted.
+
+        partial_rollout=False ('wait'): requests in flight first finish under the old weights, so
+        no generation call spans two versions. partial_rollout=True ('keep'): they are frozen where
+        they are and continue from their generated prefixes under the new weights. The cache is
+        cleared in both modes: a retained request's KV cache was computed by the old weights, so
+        it re-computes its prompt and prefix under the new ones, and every token sampled after the
+        swap is a sample of the new policy given that prefix (its log-prob, too)."""
+        await self.llm.pause_generation(mode="keep" if partial_rollout else "wait", clear_cache=True)
+        try:
+            await self.receive_weights(version)
+        finally:
+            await self.llm.resume_generation()
 
     async def leave_refit_group(self) -> None:
         await self.llm.collective_rpc("molt_leave_refit_group")
@@ -144,3 +207,19 @@ class RolloutEngine:
             # Drop the last reference now: vLLM's __del__ shuts down again, and at interpreter
             # exit (modules half torn down) that second shutdown raises.
             self.llm = None
+
+
+def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
+    """[num_tokens] the weight version of each output token, from vLLM's `weight_versions` spans
+    (label, first token, end). Molt labels its refits with the version number; the label vLLM
+    gives the weights it loaded at start ("default") is version 0. Each token takes the last span
+    starting at or before it, so spans past a stop-string trim cannot misalign the rest."""
+    if not spans:
+        return [fallback] * num_tokens
+    versions, span_index = [], 0
+    for position in range(num_tokens):
+        while span_index + 1 < len(spans) and spans[span_index + 1].start <= position:
+            span_index += 1
+        label = spans[span_index].version
+        versions.append(int(label) if label.lstrip("-").isdigit() else 0)
+    return versions

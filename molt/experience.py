@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 
@@ -59,13 +60,50 @@ class Segment:
         self.logprobs += [0.0] * len(token_ids)
         self.versions += [-1] * len(token_ids)
 
-    def add_action(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        if len(token_ids) != len(logprobs):
-            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs")
+    def add_action(self, token_ids: list[int], logprobs: list[float], versions: int | list[int]) -> None:
+        """Append sampled tokens; `versions`: the weight version of each token, or one for all."""
+        if isinstance(versions, int):
+            versions = [versions] * len(token_ids)
+        if not len(token_ids) == len(logprobs) == len(versions):
+            raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
+                               f"and {len(versions)} versions")
         self.token_ids += token_ids
         self.action_mask += [1] * len(token_ids)
         self.logprobs += logprobs
-        self.versions += [version] * len(token_ids)
+        self.versions += versions
 
     def copy(self) -> Segment:
         return copy.deepcopy(self)
+
+
+def split_at_version_changes(experience: Experience) -> list[Experience]:
+    """The experience as pieces whose action tokens each have one policy version (DESIGN section 6:
+    without partial rollout no experience spans two versions). A multi-turn rollout whose next turn
+    ran under a new version is closed after the last token of the old version, and the new piece
+    starts over from the same tokens with everything earlier as context (action mask 0, log-prob 0,
+    version -1): the earlier turns become context of the new segment, and each action token is
+    trained exactly once. An experience of a single version comes back as it is. Pieces keep the
+    rollout, group, reward and score; `segment_index` is left to the caller; only the last piece
+    keeps `truncated` (it describes the rollout's last response)."""
+    runs: list[tuple[int, int]] = []  # (version, index of its last action token), in order
+    for index, (is_action, version) in enumerate(zip(experience.action_mask, experience.policy_versions)):
+        if not is_action:
+            continue
+        if runs and runs[-1][0] == version:
+            runs[-1] = (version, index)
+        else:
+            runs.append((version, index))
+    if len(runs) <= 1:
+        return [experience]
+    pieces, start = [], 0
+    for number, (version, last) in enumerate(runs):
+        is_last = number == len(runs) - 1
+        end = experience.num_tokens if is_last else last + 1
+        mine = [bool(experience.action_mask[i]) and i >= start for i in range(end)]
+        pieces.append(dataclasses.replace(
+            experience, token_ids=experience.token_ids[:end], action_mask=[int(m) for m in mine],
+            behavior_logprobs=[lp if m else 0.0 for lp, m in zip(experience.behavior_logprobs, mine)],
+            policy_versions=[v if m else -1 for v, m in zip(experience.policy_versions, mine)],
+            truncated=experience.truncated and is_last, info=dict(experience.info)))
+        start = last + 1
+    return pieces

@@ -20,7 +20,7 @@ PROGRESS_FIELDS = {
     "reward/mean": ("reward", "{:.3f}"),
     "throughput/tokens_per_second": ("tokens/s", "{:.0f}"),
     "time/step_seconds": ("step", "{:.2f}s"),
-    "async/staleness_mean": ("staleness", "{:.2f}"),
+    "staleness/mean": ("staleness", "{:.2f}"),
 }
 
 

@@ -1,7 +1,9 @@
-"""A rollout rank: hosts one vLLM engine and runs agent rollouts against it on the controller's request.
+"""A rollout rank: hosts one vLLM engine and the session endpoint, and runs agent rollouts on the
+controller's request in its agent worker processes (molt/agent_pool.py); user agent code never
+runs in this process.
 
 It talks to the controller (rank 0) over one ZeroMQ DEALER socket; every message is a msgpack
-map with a 'type'. Rollouts run concurrently as asyncio tasks; refits run between steps.
+map with a 'type'. Rollouts run concurrently, each forwarded to a worker; refits run between steps.
 """
 
 from __future__ import annotations
@@ -15,36 +17,20 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from molt.agents.base import RolloutOutcome, RolloutRequest, SamplingParams, load_agent_runner
-from molt.agents.chat import ChatAgentRunner
-from molt.agents.env import run_with_timeout
-from molt.agents.tls import share_default_tls_context
+from molt.agent_pool import AgentWorkerPool
+# The rollout wire format lives with the agent workers that produce and consume it; the
+# controller (and its tests) import it from here.
+from molt.agent_worker import decode_outcome, decode_request, encode_outcome  # noqa: F401
 from molt.config import MoltConfig
 from molt.endpoint.server import SessionEndpoint
 from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
-from molt.experience import Experience
+from molt.loop_lag import LoopLagMonitor
 from molt.wire import connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
 
-
-def encode_outcome(outcome: RolloutOutcome) -> dict:
-    return {"type": "outcome", "rollout_id": outcome.rollout_id, "group_id": outcome.group_id,
-            "failure": outcome.failure, "error": outcome.error, "ledger": outcome.ledger,
-            "experiences": [e.to_dict() for e in outcome.experiences]}
-
-
-def decode_outcome(message: dict) -> RolloutOutcome:
-    return RolloutOutcome(rollout_id=message["rollout_id"], group_id=message["group_id"],
-                          failure=message["failure"], error=message["error"], ledger=message["ledger"],
-                          experiences=[Experience.from_dict(e) for e in message["experiences"]])
-
-
-def decode_request(message: dict) -> RolloutRequest:
-    fields = dict(message["request"])
-    fields["sampling"] = SamplingParams(**fields["sampling"])
-    return RolloutRequest(**fields)
+RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this loop: their requests waited meanwhile"
 
 
 def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: str) -> None:
@@ -57,31 +43,22 @@ class RolloutService:
         self.cfg = cfg
         self.rank = rank
         self.socket = connect_dealer(controller_address, f"rollout-{rank}", zmq.asyncio.Context.instance())
-        self.slots = asyncio.Semaphore(cfg.agent.max_concurrent_rollouts)
         self.tasks: set[asyncio.Task] = set()
 
     async def send(self, message: dict) -> None:
         await self.socket.send(pack(message))
 
     async def serve(self) -> None:
+        self.workers = AgentWorkerPool(self.cfg, self.rank)
         try:
-            self.runner = load_agent_runner(self.cfg.agent.path)  # first: it fails fast
-            self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
-            self.endpoint = None
-            if isinstance(self.runner, ChatAgentRunner):
-                if self.cfg.agent.share_tls_context:
-                    share_default_tls_context()
-                for problem in find_prefix_breaks(self.engine.tokenizer):
-                    logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "
-                                   "(counted as drift/template_rewrite)", problem)
-                self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
-                                                model_name=Path(self.cfg.model.path).name,
-                                                host=self.cfg.agent.endpoint_host)
-                await self.endpoint.start()
-                self.runner.endpoint = self.endpoint
+            await self.start()
         except Exception as error:
             await self.send({"type": "failed", "rank": self.rank, "error": f"{type(error).__name__}: {error}"})
+            await self.workers.close()
             raise
+        self.workers.on_failure = self.report_worker_failure
+        self.lag = LoopLagMonitor(f"rollout rank {self.rank}", RANK_LAG_ADVICE)
+        self.lag.start()  # after start-up, which blocks this loop while the engine loads
         await self.send({"type": "ready", "rank": self.rank})
         handlers = {"rollout": self.run_rollout, "join_refit": self.join_refit, "refit": self.refit,
                     "leave_refit": self.leave_refit, "score": self.score}
@@ -94,16 +71,40 @@ class RolloutService:
                 if handler is None:
                     logger.warning("rollout rank %d: ignoring unknown message type %r", self.rank, message["type"])
                     continue
-                task = asyncio.create_task(self.guarded(handler, message))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+                self.spawn_task(self.guarded(handler, message))
         finally:
             for task in self.tasks:
                 task.cancel()
+            await self.workers.close()
             if self.endpoint is not None:
                 await self.endpoint.stop()
             self.engine.shutdown()
             self.socket.close(0)
+
+    async def start(self) -> None:
+        kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast
+        self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
+        self.endpoint = None
+        if kind == "chat":
+            for problem in find_prefix_breaks(self.engine.tokenizer):
+                logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "
+                               "(counted as drift/template_rewrite)", problem)
+            self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
+                                            model_name=Path(self.cfg.model.path).name,
+                                            host=self.cfg.agent.endpoint_host)
+            await self.endpoint.start()
+        self.workers.attach(engine=self.engine, endpoint=self.endpoint)
+        await self.workers.wait_ready()
+
+    def spawn_task(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def report_worker_failure(self, error: str) -> None:
+        """The agent workers cannot go on (a restarted one could not start): the job must stop."""
+        self.spawn_task(self.send({"type": "error", "rank": self.rank, "during": "agent worker restart",
+                                   "error": error}))
 
     async def guarded(self, handler, message: dict) -> None:
         """Run one handler; an exception is reported to the controller instead of dying silently."""
@@ -115,24 +116,20 @@ class RolloutService:
                              "error": f"{type(error).__name__}: {error}"})
 
     async def run_rollout(self, message: dict) -> None:
-        request = decode_request(message)
-        async with self.slots:
-            outcome = await run_with_timeout(self.runner, request, self.engine, self.engine.tokenizer,
-                                             self.cfg.agent.rollout_timeout_seconds)
-        await self.send(encode_outcome(outcome))
+        outcome = await self.workers.run(message["request"])
+        # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.
+        outcome["loop_lag_max_seconds"] = max(outcome.get("loop_lag_max_seconds", 0.0), self.lag.take_max())
+        await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:
         await self.engine.join_refit_group(**message["group"])
         await self.send({"type": "refit_joined", "rank": self.rank})
 
     async def refit(self, message: dict) -> None:
-        # Synchronous mode: the controller refits only when no rollout is in flight, so pausing
-        # keeps nothing and aborts nothing; it fences the engine while its weights change.
-        await self.engine.llm.pause_generation(mode="keep", clear_cache=True)
-        try:
-            await self.engine.receive_weights(message["version"])
-        finally:
-            await self.engine.llm.resume_generation()
+        # Rollouts may be in flight (algorithm.max_staleness > 0); none is aborted. With
+        # rollout.partial_rollout their requests are frozen and continue under the new weights;
+        # without it they finish under the old ones before the swap (RolloutEngine.swap_weights).
+        await self.engine.swap_weights(message["version"], partial_rollout=self.cfg.rollout.partial_rollout)
         await self.send({"type": "refit_done", "rank": self.rank, "version": message["version"]})
 
     async def leave_refit(self, message: dict) -> None:

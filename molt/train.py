@@ -11,12 +11,15 @@ import logging
 import os
 import socket
 import sys
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
 from molt.metrics import configure_logging
+
+# torch is imported inside the functions that use it: agent worker processes, started with
+# multiprocessing's spawn, re-import this module (as __mp_main__) and have no use for it.
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("molt")
 
@@ -34,6 +37,8 @@ def map_slurm_environment(environ: dict) -> None:
 
 
 def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:
+    import torch
+
     wanted = cfg.device
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,7 +64,8 @@ def describe_layout(cfg: MoltConfig) -> str:
         if rank < cfg.layout.num_trainer_ranks:
             role = "trainer (FSDP2 dp shard)" + (" + rollout controller + refit sender" if rank == 0 else "")
         else:
-            role = f"rollout: vLLM engine (tensor parallel {cfg.layout.engine_tensor_parallel_size})"
+            role = (f"rollout: vLLM engine (tensor parallel {cfg.layout.engine_tensor_parallel_size}) + "
+                    f"{cfg.rollout.num_agent_workers} agent worker process(es)")
         lines.append(f"  rank {rank}: {role}")
     return "\n".join(lines)
 
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
+    import torch
+    import torch.distributed as dist
+
     from molt.rollout import run_rollout_rank
     from molt.trainer import Trainer, remove_stale_metrics
     from molt.wire import Router

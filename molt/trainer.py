@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from molt.actor import Actor, build_actor_model
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.config import MoltConfig
-from molt.controller import RolloutController, StepRollouts
+from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner
 from molt.metrics import MetricsLogger, StageTimer
@@ -193,6 +193,10 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
     metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in rollouts.failures.items()})
     metrics.update({f"rollout/filtered_{reason}": float(n) for reason, n in rollouts.filtered_groups.items()})
     metrics["rollout/backfill_prompts"] = float(rollouts.backfill_prompts)
+    metrics["rollout/stale_groups"] = float(rollouts.stale_groups)
+    metrics.update(compute_staleness(rollouts.groups, rollouts.trained_version))
+    metrics.update({"rollout/consumed": float(rollouts.consumed_rollouts), **rollouts.accounting})
+    metrics["rollout/loop_lag_max_seconds"] = rollouts.loop_lag_max_seconds
     metrics.update({f"drift/{reason}": float(n) for reason, n in rollouts.ledger.items()})
     metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
     infos: dict[str, list[float]] = {}

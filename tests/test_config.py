@@ -73,6 +73,13 @@ def test_a_valid_config_passes(tmp_path):
     validate_config(_valid_config(tmp_path), world_size=2)
 
 
+def test_streaming_with_partial_rollout_and_importance_correction_passes(tmp_path):
+    cfg = _valid_config(tmp_path)
+    cfg.algorithm.max_staleness, cfg.rollout.partial_rollout = 2, True
+    cfg.algorithm.importance_level, cfg.algorithm.importance_mode = "token", "trunc"
+    validate_config(cfg, world_size=2)
+
+
 @pytest.mark.parametrize("change, world_size, expected", [
     (lambda c: None, 3, r"num_trainer_ranks \+ layout.num_rollout_ranks = 1 \+ 1 = 2, but the job has 3"),
     (lambda c: setattr(c.rollout, "n_samples_per_prompt", 1), 2, "n_samples_per_prompt > 1"),
@@ -90,10 +97,15 @@ def test_a_valid_config_passes(tmp_path):
     (lambda c: setattr(c.algorithm, "importance_band", (2.0, 2.0)), 2, r"importance_band=\(2.0, 2.0\): need 0 <= low < high"),
     (lambda c: setattr(c.algorithm, "importance_level", "row"), 2, "importance_level='row'"),
     (lambda c: setattr(c.algorithm, "max_staleness", 2), 2, "max_staleness=2 trains on tokens sampled by older"),
+    (lambda c: (setattr(c.algorithm, "max_staleness", -1), setattr(c.algorithm, "importance_level", "token")),
+     2, "algorithm.max_staleness=-1: must be >= 0"),
+    (lambda c: setattr(c.rollout, "partial_rollout", True), 2,
+     "rollout.partial_rollout=True .* needs algorithm.importance_level .* \\(algorithm.importance_level='off'\\)"),
     (lambda c: setattr(c.algorithm, "kl_estimator", "k4"), 2, "kl_estimator='k4': use k1, k2 or k3"),
     (lambda c: setattr(c.algorithm, "kl_target", 0.1), 2, "kl_target=0.1 adapts kl_coef, which is 0"),
     (lambda c: setattr(c.algorithm, "dual_clip", 0.5), 2, "dual_clip=0.5: use 0"),
     (lambda c: setattr(c.algorithm, "gamma", 0.0), 2, r"algorithm.gamma=0.0: must be in \(0, 1\]"),
+    (lambda c: setattr(c.rollout, "num_agent_workers", 0), 2, "rollout.num_agent_workers=0: need at least 1"),
 ])
 def test_validation_names_the_field(tmp_path, change, world_size, expected):
     cfg = _valid_config(tmp_path)

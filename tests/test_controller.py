@@ -10,10 +10,11 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
-from molt.controller import (RolloutController, StepRollouts, filter_groups_by_score, gather_groups,
-                             group_filter_reason, should_refill)
+from molt.controller import (Accounting, AccountingError, RolloutController, StepRollouts, compute_staleness,
+                             filter_groups_by_score, gather_groups, group_filter_reason, should_refill,
+                             split_by_version)
 from molt.experience import Experience
-from molt.rollout import encode_outcome
+from molt.rollout import decode_outcome, encode_outcome
 from molt.wire import Router, connect_dealer, pack, unpack
 
 
@@ -49,6 +50,14 @@ def test_gather_keeps_groups_whose_failed_rollouts_were_made_up_and_counts_every
     assert result.dropped_groups == 1
     assert result.failures == {"timeout": 1, "agent_error": 1}
     assert result.num_rollouts == 7
+
+
+def test_gather_keeps_the_largest_loop_lag_of_its_outcomes_failed_ones_included():
+    outcomes = [_outcome(0, group_id=10), _outcome(1, group_id=10, failure="agent_worker_died")]
+    outcomes[0].loop_lag_max_seconds, outcomes[1].loop_lag_max_seconds = 0.5, 2.0
+    assert gather_groups(outcomes, {10: 2}).loop_lag_max_seconds == 2.0
+    decoded = decode_outcome(encode_outcome(outcomes[0]))  # it survives the wire
+    assert decoded.loop_lag_max_seconds == 0.5
 
 
 def _serve_rollouts(address: str, identity: str, received: list[dict], answer, max_requests: int = 100) -> None:
@@ -267,3 +276,153 @@ def test_without_filter_groups_flat_groups_are_kept_and_nothing_is_backfilled(tm
     assert _kept_rows(steps[0], received) == [0, 1, 2]
     assert steps[0].backfill_prompts == 0 and not steps[0].filtered_groups
     assert _dispatched_rows(received) == [0, 1, 2]
+
+
+# -- streaming with bounded staleness (algorithm.max_staleness) -------------------------------
+
+
+def _versioned_rollout_rank(address: str, identity: str, received: list[dict]) -> None:
+    """Rewards from each row's metadata, as _scored_rollout_rank; the action token carries the
+    request's policy version (what a rollout dispatched then and answered at once would record)."""
+    def answer(request: dict, attempt: int) -> RolloutOutcome:
+        reward = float(request["metadata"]["rewards"][request["sample_index"]])
+        return RolloutOutcome(rollout_id=request["rollout_id"], group_id=request["group_id"], experiences=[Experience(
+            token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -0.5],
+            policy_versions=[-1, request["policy_version"]], reward=reward, score=reward,
+            group_id=request["group_id"], rollout_id=request["rollout_id"])])
+    _serve_rollouts(address, identity, received, answer)
+
+
+def _stream_steps(tmp_path, rows: list[dict], versions: list[int], num_steps: int, **algorithm):
+    """collect_step at each of `versions` (3 prompts x 2 samples, train.num_steps=num_steps); returns the
+    steps and, for each, the requests the controller had dispatched when it returned."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = MoltConfig()
+    cfg.data.train_path, cfg.data.shuffle = str(tmp_path / "train.jsonl"), False
+    cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt = 3, 2
+    cfg.train.num_steps = num_steps
+    for key, value in algorithm.items():
+        setattr(cfg.algorithm, key, value)
+    router, received = Router("127.0.0.1"), []
+    rank = threading.Thread(target=_versioned_rollout_rank, args=(router.address, "rollout-1", received), daemon=True)
+    rank.start()
+    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    steps, seen, dispatched = [], [], []
+    send = router.send
+    router.send = lambda identity, message: (dispatched.append(message["request"]) if message["type"] == "rollout"
+                                             else None, send(identity, message))
+    try:
+        controller.wait_for_ranks(num_trainer_ranks=1)
+        for version in versions:
+            steps.append(controller.collect_step(policy_version=version))
+            seen.append(list(dispatched))
+    finally:
+        controller.shutdown()
+        rank.join(10)
+        router.close()
+    return steps, seen
+
+
+def _dispatch_versions(requests: list[dict]) -> dict[int, int]:
+    """Prompt row -> the policy version its group was dispatched at."""
+    return {r["metadata"]["row"]: r["policy_version"] for r in requests}
+
+
+def _check_accounting(step: StepRollouts) -> None:
+    totals = step.accounting
+    dropped = sum(totals[f"rollout/dropped_{reason}_total"] for reason in ("failed", "failed_group", "filtered", "stale"))
+    assert totals["rollout/dropped_total"] == dropped
+    assert totals["rollout/dispatched_total"] == totals["rollout/consumed_total"] + dropped + totals["rollout/in_flight"]
+
+
+def test_max_staleness_one_dispatches_the_next_step_ahead_and_keeps_the_sync_batches(tmp_path):
+    rows = _rows([[0, 1]] * 12)
+    steps, seen = _stream_steps(tmp_path, rows, versions=[0, 1, 2], num_steps=3, max_staleness=1)
+    # The same prompts per step as the synchronous controller: dispatch order, prompts_per_step each.
+    assert [_kept_rows(step, seen[-1]) for step in steps] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    # At version 0 the groups of steps 1 and 2 went out; at version 1 those of step 3; none past
+    # train.num_steps (rows 9.. never dispatched).
+    assert _dispatch_versions(seen[0]) == {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0}
+    assert _dispatch_versions(seen[-1]) == {**_dispatch_versions(seen[0]), 6: 1, 7: 1, 8: 1}
+    assert [step.accounting["rollout/in_flight"] for step in steps] == [6, 6, 0]
+    for step in steps:
+        _check_accounting(step)
+        metrics = compute_staleness(step.groups, step.trained_version)
+        assert metrics["staleness/max"] <= 1
+    assert compute_staleness(steps[1].groups, 1)["staleness/mean"] == 1.0  # step 2 trained rollouts of version 0
+    assert steps[-1].accounting["rollout/consumed_total"] == 18
+
+
+def test_max_staleness_zero_keeps_nothing_in_flight_between_steps(tmp_path):
+    steps, seen = _stream_steps(tmp_path, _rows([[0, 1]] * 9), versions=[0, 1, 2], num_steps=5)
+    for version, (step, requests) in enumerate(zip(steps, seen)):
+        assert step.accounting["rollout/in_flight"] == 0
+        assert step.accounting["rollout/dispatched_total"] == step.accounting["rollout/consumed_total"] == 6 * (version + 1)
+        assert max(r["policy_version"] for r in requests) == version  # nothing dispatched ahead of its step
+        assert compute_staleness(step.groups, version)["staleness/max"] == 0
+
+
+def test_a_group_older_than_the_bound_is_dropped_as_stale_and_counted(tmp_path):
+    # The safety net: a trainer that jumped versions (0 -> 3) finds the groups dispatched at version
+    # 0 for step 2 three versions old; with max_staleness=1 they are dropped, and fresh ones backfill.
+    rows = _rows([[0, 1]] * 12)
+    steps, seen = _stream_steps(tmp_path, rows, versions=[0, 3], num_steps=10, max_staleness=1,
+                                filter_groups=True)
+    late = steps[1]
+    assert late.stale_groups == 3 and late.dropped_rollouts == Counter(stale=6)
+    assert _kept_rows(late, seen[-1]) == [6, 7, 8] and late.backfill_prompts == 3
+    assert compute_staleness(late.groups, 3)["staleness/max"] == 0
+    _check_accounting(late)
+    assert late.accounting["rollout/dropped_stale_total"] == 6
+
+
+def test_filtered_groups_borrow_from_the_queue_under_streaming(tmp_path):
+    rows = _rows([[0, 1], [1, 1], [0, 1],  # step 1: row 1 all right, replaced by row 3 (queued for step 2)
+                  [1, 0], [0, 1], [1, 0],
+                  [0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    steps, seen = _stream_steps(tmp_path, rows, versions=[0, 1], num_steps=4, max_staleness=1, filter_groups=True)
+    assert _kept_rows(steps[0], seen[-1]) == [0, 2, 3] and steps[0].backfill_prompts == 1
+    assert steps[0].filtered_groups == Counter(all_high=1) and steps[0].dropped_rollouts == Counter(filtered=2)
+    assert _kept_rows(steps[1], seen[-1]) == [4, 5, 6]
+    assert _dispatch_versions(seen[-1])[6] == 1  # the top-up at version 1 made up for the borrowed group
+    for step in steps:
+        _check_accounting(step)
+
+
+def test_accounting_that_does_not_add_up_raises():
+    accounting = Accounting(dispatched=10, consumed=6, dropped=Counter(failed=1, filtered=2))
+    assert accounting.check(in_flight=1)["rollout/dispatched_total"] == 10
+    with pytest.raises(AccountingError, match=r"dispatched 10 != consumed 6 \+ dropped 3 .* \+ in flight 2"):
+        accounting.check(in_flight=2)
+
+
+def _turns(versions: list[int]) -> Experience:
+    """A two-turn trace: prompt, turn 1 (2 tokens), observation, turn 2 (2 tokens); `versions`: per action."""
+    mask = [0, 0, 1, 1, 0, 1, 1]
+    per_token = iter(versions)
+    return Experience(token_ids=[10, 11, 12, 13, 14, 15, 16], action_mask=mask,
+                      behavior_logprobs=[0.0 if not m else -0.5 * i for i, m in enumerate(mask)],
+                      policy_versions=[next(per_token) if m else -1 for m in mask], reward=1.0, score=1.0,
+                      group_id=3, rollout_id=9, truncated=True)
+
+
+def test_without_partial_rollout_a_rollout_is_split_where_its_version_changes():
+    outcome = RolloutOutcome(rollout_id=9, group_id=3, experiences=[_turns([4, 4, 5, 5])], ledger={"first_turn": 1})
+    split_by_version(outcome)
+    first, second = outcome.experiences
+    assert first.token_ids == [10, 11, 12, 13] and first.action_mask == [0, 0, 1, 1]
+    assert first.policy_versions == [-1, -1, 4, 4] and first.behavior_logprobs == [0.0, 0.0, -1.0, -1.5]
+    assert not first.truncated
+    # The earlier turn is context of the new segment: same ids, no action, no log-prob, no version.
+    assert second.token_ids == [10, 11, 12, 13, 14, 15, 16] and second.action_mask == [0, 0, 0, 0, 0, 1, 1]
+    assert second.policy_versions == [-1] * 5 + [5, 5]
+    assert second.behavior_logprobs == [0.0] * 5 + [-2.5, -3.0] and second.truncated
+    assert [e.segment_index for e in outcome.experiences] == [0, 1]
+    assert outcome.ledger == {"first_turn": 1, "version_change": 1}
+    assert sum(sum(e.action_mask) for e in outcome.experiences) == 4  # every action token trained once
+
+
+def test_a_single_version_rollout_is_left_alone():
+    outcome = RolloutOutcome(rollout_id=9, group_id=3, experiences=[_turns([4, 4, 4, 4])])
+    split_by_version(outcome)
+    assert len(outcome.experiences) == 1 and outcome.ledger == {}

@@ -27,12 +27,12 @@ def test_jsonl_has_one_line_per_step_with_step_first(tmp_path, caplog):
         assert read_jsonl(tmp_path / "metrics.jsonl") == [
             {"step": 1, "reward/mean": 0.5, "throughput/tokens_per_second": 1234.4, "time/step_seconds": 1.234}
         ]
-        metrics.log(2, {"reward/mean": 0.75, "async/staleness_mean": 0.5})
+        metrics.log(2, {"reward/mean": 0.75, "staleness/mean": 0.5})
     metrics.close()
 
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [list(row)[0] for row in rows] == ["step", "step"]
-    assert rows[1] == {"step": 2, "reward/mean": 0.75, "async/staleness_mean": 0.5}
+    assert rows[1] == {"step": 2, "reward/mean": 0.75, "staleness/mean": 0.5}
     assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1e-6, "model": {"name": "tiny"}}
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert progress == [

@@ -16,12 +16,13 @@ DEMO = str(ROOT / "configs" / "demo.py")
 FLAKY_AGENT = str(Path(__file__).parent / "agents" / "flaky_first_attempt.py")
 
 
-def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "molt.train", "--config", config]
     for item in sets:
         args += ["--set", item]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     # Its own process group: on a timeout the whole job (ranks, engine cores) is killed, not
     # just torchrun, so a hung job cannot outlive the test.
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
@@ -36,9 +37,12 @@ def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float =
 
 
 def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
+    # Synchronous unless a test says otherwise (the demo recipes stream): these tests count what
+    # each step dispatched; tests/test_streaming_e2e.py covers streaming.
     sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
             "metrics.output_dir": output_dir, "train.num_steps": 3, "rollout.prompts_per_step": 4,
-            "rollout.n_samples_per_prompt": 4, "refit.check_every_steps": 3, **fields}
+            "rollout.n_samples_per_prompt": 4, "refit.check_every_steps": 3, "algorithm.max_staleness": 0,
+            "rollout.partial_rollout": False, **fields}
     return [f"{key}={value}" for key, value in sets.items()]
 
 
@@ -127,6 +131,51 @@ def test_every_advantage_estimator_trains(tmp_path, tiny_model_dir, demo_data_di
     if estimator == "gae":  # the critic learns: its loss falls from its zero-initialised start
         losses = [r["train/value_loss"] for r in rows]
         assert losses[-1] < losses[0], losses
+
+
+FAULTS_AGENT = str(Path(__file__).parent / "agents" / "worker_faults.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited
+
+
+def test_agent_workers_survive_a_killed_worker_and_report_a_blocked_loop(tmp_path, tiny_model_dir, demo_data_dir):
+    """The faults agent SIGKILLs its worker on sample 0 of group 1 (step 1) and blocks its worker's
+    loop for 1.5 s on sample 0 of group 4 (step 2), once each. One worker, so the refills and every
+    later rollout must wait for its replacement (tests/test_agent_workers.py runs two)."""
+    out, faults = tmp_path / "run", tmp_path / "faults"
+    faults.mkdir()
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": FAULTS_AGENT, "rollout.num_agent_workers": 1, "agent.on_failed_rollout": "refill",
+        "agent.max_refills_per_group": 8, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0})
+    done = _torchrun(2, DEMO, sets, env={"MOLT_TEST_FAULTS_DIR": str(faults)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    killed_pid, blocked_pid = int((faults / "killed").read_text()), int((faults / "blocked").read_text())
+    # Step 1: the rollouts in flight on the killed worker failed as agent_worker_died and were refilled.
+    died = rows[0].get("rollout/failed_agent_worker_died", 0)
+    assert died >= 1 and rows[0]["rollout/failed"] == rows[0]["rollout/refilled"] == died, rows[0]
+    assert rows[0]["rollout/num_groups"] == 4
+    assert f"agent worker 0 (pid {killed_pid}) died with exit code -9" in done.stderr
+    assert "is back (restart 1)" in done.stderr
+    for row in rows[1:]:
+        assert row["rollout/failed"] == 0 and row["rollout/num_groups"] == 4, row
+    # Step 2: the blocked worker's loop lag is the step's metric, and the worker warned, naming itself.
+    assert rows[1]["rollout/loop_lag_max_seconds"] >= 1.4, rows[1]
+    assert all(math.isfinite(r["rollout/loop_lag_max_seconds"]) for r in rows)
+    assert f"of rollout rank 1 (pid {blocked_pid}): event loop blocked for 1." in done.stderr
+    assert "user agent code is blocking the event loop" in done.stderr
+    served = [tuple(int(x) for x in line.split()) for line in (faults / "served").read_text().splitlines()]
+    assert killed_pid not in {pid for pid, group, _, _ in served if group >= 4}  # steps 2-3 ran on
+    assert len({pid for pid, *_ in served}) == 2  # the replacement: one worker at a time, two in all
+    assert all(vllm_imported == 0 for *_, vllm_imported in served)  # workers never import vLLM
+    assert not [pid for pid in {pid for pid, *_ in served} if _alive(pid)], "an agent worker outlived the job"
 
 
 def test_multi_turn_env_recipe_runs(tmp_path, tiny_model_dir, demo_data_dir):

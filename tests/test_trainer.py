@@ -18,3 +18,9 @@ def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():
     assert metrics["rollout/backfill_prompts"] == 4.0
     quiet = _rollout_metrics(StepRollouts(groups=[experiences], num_rollouts=2), experiences)
     assert quiet["rollout/backfill_prompts"] == 0.0 and not any(k.startswith("rollout/filtered_") for k in quiet)
+
+
+def test_rollout_metrics_carry_the_largest_event_loop_lag_of_the_step():
+    rollouts = StepRollouts(groups=[], num_rollouts=0, loop_lag_max_seconds=1.5)
+    rollouts.merge(StepRollouts(groups=[], loop_lag_max_seconds=0.25))  # a backfill round lagged less
+    assert _rollout_metrics(rollouts, [])["rollout/loop_lag_max_seconds"] == 1.5

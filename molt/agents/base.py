@@ -57,8 +57,10 @@ class RolloutOutcome:
     group_id: int
     experiences: list[Experience]
     failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation' | 'prompt_too_long'
+    # or 'agent_worker_died' (the agent worker process running it died; set by the rank)
     error: str = ""  # the exception text of a failure, for the log
     ledger: dict[str, int] = field(default_factory=dict)  # ChatAgent path: turns by how they joined a segment
+    loop_lag_max_seconds: float = 0.0  # most its agent worker's or rank's event loop lagged since their last outcome
 
     def __post_init__(self) -> None:
         for experience in self.experiences:

@@ -3,10 +3,11 @@ against a per-session endpoint, and Molt records what the policy sampled (DESIGN
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from molt.agents.base import AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, SamplingParams
-from molt.experience import Experience
+from molt.experience import Experience, Segment
 
 
 @dataclass(kw_only=True)
@@ -30,11 +31,29 @@ class ChatContext:
 class ChatAgent:
     """Subclass and implement `run`; a fresh instance is made for every rollout.
 
-    Use the SDKs' async clients (AsyncOpenAI, AsyncAnthropic): the agent runs on the same event
-    loop as the endpoint, so a blocking call would stall every rollout of the rank."""
+    Use the SDKs' async clients (AsyncOpenAI, AsyncAnthropic): many rollouts share the agent
+    worker's event loop, so a blocking call would stall every rollout of the worker."""
 
     async def run(self, ctx: ChatContext) -> Result:
         raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class SessionRecord:
+    """What a session recorded, handed over when it is closed."""
+
+    segments: list[Segment]  # in order; each becomes one experience
+    ledger: dict[str, int] = field(default_factory=dict)  # turns by how they joined a segment
+
+
+class SessionHost(Protocol):
+    """Where a ChatAgentRunner opens its sessions: in an agent worker, the rank's endpoint over RPC
+    (molt.agent_worker.RemoteSessions); in-process (tests), a SessionEndpoint."""
+
+    async def begin_session(self, *, sampling: SamplingParams, max_length: int) -> Any:
+        """A session with `session_id`, `api_key`, `base_url`, `session_url` and `model_name`."""
+
+    async def end_session(self, session) -> SessionRecord: ...
 
 
 class ChatAgentRunner(AgentRunnerBase):
@@ -44,12 +63,12 @@ class ChatAgentRunner(AgentRunnerBase):
         if not (isinstance(agent_class, type) and issubclass(agent_class, ChatAgent)):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_class!r}")
         self.agent_class = agent_class
-        self.endpoint = None  # the rank's SessionEndpoint, attached by the rollout service
+        self.endpoint: SessionHost | None = None  # attached by the agent worker
 
     async def run(self, request: RolloutRequest, sampler, tokenizer) -> RolloutOutcome:
         if self.endpoint is None:
             raise RuntimeError("ChatAgentRunner has no session endpoint attached")
-        session = self.endpoint.open_session(sampling=request.sampling, max_length=request.max_length)
+        session = await self.endpoint.begin_session(sampling=request.sampling, max_length=request.max_length)
         try:
             ctx = ChatContext(base_url=session.base_url, session_url=session.session_url, api_key=session.api_key,
                               model_name=session.model_name, messages=request.messages,
@@ -58,7 +77,7 @@ class ChatAgentRunner(AgentRunnerBase):
                               session_id=session.session_id)
             result = await self.agent_class().run(ctx)
         finally:
-            self.endpoint.close_session(session)
+            record = await self.endpoint.end_session(session)
         if not isinstance(result, Result):
             raise BadResult(f"{self.agent_class.__name__}.run returned {type(result).__name__}, "
                             f"not molt.agents.Result; return Result(reward=...)")
@@ -70,9 +89,9 @@ class ChatAgentRunner(AgentRunnerBase):
                        reward=float(result.reward), score=score, group_id=request.group_id,
                        rollout_id=request.rollout_id, segment_index=index,
                        truncated=segment.truncated or result.truncated, info=info)
-            for index, segment in enumerate(session.all_segments())]
+            for index, segment in enumerate(record.segments)]
         return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=experiences,
-                              ledger=dict(session.ledger.counts))
+                              ledger=dict(record.ledger))
 
 
 def _last_user_text(messages: list[dict]) -> str:

@@ -59,7 +59,7 @@ class StepEnvRunner(AgentRunnerBase):
             sampling = SamplingParams(max_tokens=budget, temperature=request.sampling.temperature,
                                       top_p=request.sampling.top_p)
             generation = await sampler.generate(trace.token_ids, sampling)
-            trace.add_action(generation.token_ids, generation.logprobs, generation.policy_version)
+            trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions)
             action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
                                               label=request.label, turn=turn, sampling_params=sampling))

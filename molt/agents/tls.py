@@ -2,12 +2,12 @@
 
 `AsyncOpenAI(...)` and `AsyncAnthropic(...)` each build an httpx transport, and every transport
 builds a fresh `ssl.SSLContext` with the system CA bundle loaded, even for a plain-http base URL
-such as the session endpoint's. Loading the bundle costs ~30-50 ms of CPU on the event loop that
-also runs the endpoint, so an agent written the natural way (a new client per rollout) would spend
-more time there than in generation. `share_default_tls_context` makes the default verifying
-context (verify=True, no client certificate) a per-process singleton, keyed on the environment
-variables that choose the CA bundle. Other settings (verify=False, a custom context, a client
-certificate) are built as before.
+such as the session endpoint's. Loading the bundle costs ~30-50 ms of CPU on the agent worker's
+event loop, which runs all its rollouts, so an agent written the natural way (a new client per
+rollout) would spend more time there than in generation. `share_default_tls_context` makes the
+default verifying context (verify=True, no client certificate) a per-process singleton, keyed on
+the environment variables that choose the CA bundle. Other settings (verify=False, a custom
+context, a client certificate) are built as before.
 
 The shared context is only read by connections, except that httpcore sets its ALPN protocols
 (http/1.1 or h2) before each TLS handshake; clients mixing HTTP/2 and HTTP/1.1 to HTTPS hosts in

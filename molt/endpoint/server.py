@@ -16,6 +16,7 @@ import secrets
 from aiohttp import web
 
 from molt.agents.base import SamplingParams
+from molt.agents.chat import SessionRecord
 from molt.endpoint.session import Session
 
 logger = logging.getLogger("molt")
@@ -43,7 +44,8 @@ def _error_for(request: web.Request, status: int, message: str) -> web.Response:
 
 
 class SessionEndpoint:
-    """One per rollout rank. Sessions are opened and closed by the agent runner in-process."""
+    """One per rollout rank. Sessions are opened and closed for the agent workers by the rank's
+    AgentWorkerPool (or by a runner in this process, in tests)."""
 
     def __init__(self, engine, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
@@ -93,6 +95,17 @@ class SessionEndpoint:
     def close_session(self, session: Session) -> None:
         session.closed = True
         self.sessions.pop(session.session_id, None)
+
+    # The SessionHost interface of a ChatAgentRunner (molt/agents/chat.py), for a runner in this
+    # process; agent workers reach the same two through the rank (molt/agent_pool.py).
+
+    async def begin_session(self, *, sampling: SamplingParams, max_length: int) -> Session:
+        return self.open_session(sampling=sampling, max_length=max_length)
+
+    async def end_session(self, session: Session) -> SessionRecord:
+        """Close the session and hand over what it recorded."""
+        self.close_session(session)
+        return SessionRecord(segments=session.all_segments(), ledger=dict(session.ledger.counts))
 
     # -- middleware and wrappers ------------------------------------------------------------
 

@@ -116,7 +116,7 @@ class Session:
             max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
             temperature=self.default_sampling.temperature if sampling.temperature is None else sampling.temperature,
             top_p=self.default_sampling.top_p if sampling.top_p is None else sampling.top_p)
-        sampled, logprobs, text, finish_reason, version, shown = [], [], "", None, 0, 0
+        sampled, logprobs, versions, text, finish_reason, shown = [], [], [], "", None, 0
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.
         async with contextlib.aclosing(self.engine.stream(prompt_ids, params, stop=sampling.stop, seed=sampling.seed,
@@ -125,7 +125,8 @@ class Session:
                 sampled += delta.token_ids
                 logprobs += delta.logprobs
                 text += delta.text
-                version, finish_reason = delta.policy_version, delta.finish_reason or finish_reason
+                versions = delta.policy_versions or versions  # per token, on the last delta
+                finish_reason = delta.finish_reason or finish_reason
                 if not incremental:
                     continue
                 visible = text.split(TOOL_CALL_MARKER, 1)[0]
@@ -142,7 +143,7 @@ class Session:
         content, tool_calls = parse_tool_calls(text) if TOOL_CALL_MARKER in text else (text, [])
         segment = base.copy() if base else Segment()
         segment.add_context(prompt_ids[len(segment.token_ids):])
-        segment.add_action(sampled, logprobs, version)
+        segment.add_action(sampled, logprobs, versions)
         segment.truncated = finish_reason == "length"
         self._commit(segment, reason, normalized, tools, content, tool_calls)
         reply = Reply(content=content, tool_calls=tool_calls,

@@ -2,8 +2,9 @@
 
 Sample 0 of each group with group_id % 4 == 1 raises on its first attempt only (a refill of it,
 which keeps the group and sample index, succeeds); sample 0 of each group with group_id % 4 == 3
-raises on every attempt. "First attempt" is remembered by the runner, one object per rollout
-rank, so run it with one rollout rank. Rewards are varied_reward.py's.
+raises on every attempt. "First attempt" is remembered by the runner, one object per agent
+worker, so run it with one rollout rank and one agent worker (the default). Rewards are
+varied_reward.py's.
 """
 
 import sys

@@ -1,0 +1,133 @@
+"""Benchmark streaming against synchronous training on a long-tailed workload: two real torchrun
+jobs (molt.train on the generated tiny model, one trainer and one rollout rank), the same recipe,
+one synchronous (algorithm.max_staleness=0) and one streaming (max_staleness k, rollout.partial_rollout
+on, token-level truncated importance correction in both jobs).
+
+The workload (tools/bench/long_tail_agent.py): each rollout generates one answer, then waits on a
+simulated tool whose latency is log-normal (median, sigma) and capped, so a step's slowest rollout
+sets the synchronous step time while most rollouts finish early.
+
+Figures over the steps after the warm-up ones, from each job's metrics.jsonl, one JSON line each,
+then the command that produced them:
+- async_trained_samples_per_second: rollouts trained (rollout/consumed) / wall time of those steps
+  (time/step_seconds), per job, and streaming / synchronous (target >= 1.6);
+- async_trainer_idle_share: time the trainer waited for rollouts (time/rollout) / step time, per job
+  (target for streaming <= 0.10);
+- async_job: per job, mean step, rollout-wait, train and refit seconds and the staleness of the
+  trained tokens (staleness/mean, staleness/max).
+
+    python tools/bench/async.py [--steps 30] [--warmup-steps 5] [--max-staleness 2] [--prompts 16]
+        [--samples 8] [--max-tokens 16] [--latency-median 0.1] [--latency-sigma 1.0] [--latency-cap 0.6]
+        [--out-dir runs/bench-async]
+
+The default workload puts the slowest tool call of a step (the cap) near the trainer's step time:
+streaming hides tool latency up to about k steps of training; past that the trainer waits.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+AGENT = Path(__file__).resolve().parent / "long_tail_agent.py"
+
+
+def load_fixtures():
+    """The tests' generated-asset cache (tiny model, demo data in $MOLT_CACHE_DIR)."""
+    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
+                                                  REPO_ROOT / "tests" / "fixtures_models.py")
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    return fixtures
+
+
+def run_job(args, model_dir: Path, data_dir: Path, out: Path, *, max_staleness: int) -> float:
+    """One molt.train job; returns its wall seconds. Streaming = max_staleness > 0 (partial rollout on)."""
+    sets = {"model.path": model_dir, "data.train_path": data_dir / "train.jsonl", "agent.path": AGENT,
+            "metrics.output_dir": out, "train.num_steps": args.steps, "train.learning_rate": 1e-4,
+            "rollout.prompts_per_step": args.prompts, "rollout.n_samples_per_prompt": args.samples,
+            "rollout.max_response_tokens": args.max_tokens, "rollout.max_length": 128,
+            "refit.check_every_steps": 0, "algorithm.importance_level": "token",
+            "algorithm.importance_mode": "trunc", "algorithm.max_staleness": max_staleness,
+            "rollout.partial_rollout": max_staleness > 0}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "molt.train", "--config", str(REPO_ROOT / "configs" / "demo.py")]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={value}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "MOLT_BENCH_LATENCY_MEDIAN_SECONDS": str(args.latency_median),
+           "MOLT_BENCH_LATENCY_SIGMA": str(args.latency_sigma),
+           "MOLT_BENCH_LATENCY_CAP_SECONDS": str(args.latency_cap)}
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(out / "job.log", "w") as log:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the max_staleness={max_staleness} job failed (exit {done.returncode}); "
+                         f"its output: {out / 'job.log'}")
+    return time.perf_counter() - started
+
+
+def summarize(out: Path, warmup_steps: int) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r["step"] > warmup_steps]
+    if not measured:
+        raise SystemExit(f"{out}: no step after the {warmup_steps} warm-up steps; raise --steps")
+    seconds = sum(r["time/step_seconds"] for r in measured)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in measured)
+
+    return {"steps": len(measured), "trained_samples_per_second": sum(r["rollout/consumed"] for r in measured) / seconds,
+            "idle_share": sum(r["time/rollout"] for r in measured) / seconds,
+            "step_seconds": mean("time/step_seconds"), "rollout_wait_seconds": mean("time/rollout"),
+            "train_seconds": mean("time/train"), "refit_seconds": mean("time/refit"),
+            "staleness_mean": mean("staleness/mean"), "staleness_max": max(r["staleness/max"] for r in measured),
+            "reward_mean": mean("reward/mean")}
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per job")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the figures")
+    parser.add_argument("--max-staleness", type=int, default=2, help="k of the streaming job")
+    parser.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_step")
+    parser.add_argument("--samples", type=int, default=8, help="rollout.n_samples_per_prompt")
+    parser.add_argument("--max-tokens", type=int, default=16, help="rollout.max_response_tokens")
+    parser.add_argument("--latency-median", type=float, default=0.1, help="tool latency median, seconds")
+    parser.add_argument("--latency-sigma", type=float, default=1.0, help="log-normal sigma of the tool latency")
+    parser.add_argument("--latency-cap", type=float, default=0.6, help="longest tool latency, seconds")
+    parser.add_argument("--out-dir", default="runs/bench-async", help="the two jobs' run directories and logs")
+    args = parser.parse_args()
+    fixtures = load_fixtures()
+    model_dir, data_dir = fixtures.build_cached_tiny_model(), fixtures.build_cached_demo_data()
+    figures = {}
+    for name, staleness in (("synchronous", 0), ("streaming", args.max_staleness)):
+        out = (REPO_ROOT / args.out_dir / name).resolve()
+        wall = run_job(args, model_dir, data_dir, out, max_staleness=staleness)
+        figures[name] = summarize(out, args.warmup_steps)
+        emit({"figure": "async_job", "job": name, "max_staleness": staleness, "partial_rollout": staleness > 0,
+              "wall_seconds": round(wall, 1), **{k: round(v, 4) for k, v in figures[name].items()}})
+    sync, stream = figures["synchronous"], figures["streaming"]
+    emit({"figure": "async_trained_samples_per_second", "synchronous": round(sync["trained_samples_per_second"], 2),
+          "streaming": round(stream["trained_samples_per_second"], 2),
+          "ratio": round(stream["trained_samples_per_second"] / sync["trained_samples_per_second"], 3),
+          "target_ratio": 1.6})
+    emit({"figure": "async_trainer_idle_share", "synchronous": round(sync["idle_share"], 3),
+          "streaming": round(stream["idle_share"], 3), "target_streaming": 0.10})
+    emit({"command": "python " + shlex.join(sys.argv)})
+
+
+if __name__ == "__main__":
+    main()
