@@ -156,8 +156,9 @@ def step_optimizer(
     return grad_norm
 
 
-class Actor:
-    """The policy being trained: the FSDP2 model, AdamW, and one optimizer step per window.
+class TrainableModel:
+    """An FSDP2 model with its own AdamW and one optimizer step per window; gradients are summed
+    across the data-parallel ranks (the losses divide by the window's global token count).
 
     Every method that runs the model is collective over `group`: all trainer ranks call it,
     with the same number of micro-batches.
@@ -174,17 +175,27 @@ class Actor:
         weight_decay: float = 0.0,
         eps: float = 1e-8,
         max_grad_norm: float = 1.0,
-        temperature: float = 1.0,
     ) -> None:
         self.model = model
         self.group = group
         self.device = device
         self.max_grad_norm = max_grad_norm
-        self.temperature = temperature
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
         )
         set_gradient_sum_reduction(model)
+
+    def step_optimizer(self) -> float:
+        """Clip the global gradient norm, step AdamW, zero the gradients; returns the pre-clip norm."""
+        return step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm)
+
+
+class Actor(TrainableModel):
+    """The policy being trained (see TrainableModel); log-probs at the sampling `temperature`."""
+
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, **optimizer) -> None:
+        super().__init__(model, **optimizer)
+        self.temperature = temperature
 
     def train_window(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> dict[str, float]:
         """One optimizer step over all micro-batches; returns metrics reduced over the trainer group."""
@@ -275,10 +286,6 @@ class Actor:
             terms.append(bonus)
             stats.update(entropy_stats)
         return terms, stats
-
-    def step_optimizer(self) -> float:
-        """Clip the global gradient norm, step AdamW, zero the gradients; returns the pre-clip norm."""
-        return step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm)
 
     @torch.no_grad()
     def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel
 
-from molt.actor import (build_actor_model, compute_token_logprobs, compute_window_denominator,
-                        set_gradient_sum_reduction, step_optimizer)
+from molt.actor import TrainableModel, build_actor_model, compute_token_logprobs, compute_window_denominator
 from molt.batch import MicroBatch
 from molt.objectives import compute_value_loss
 
@@ -73,33 +72,8 @@ def build_value_model(
     return model
 
 
-class Critic:
-    """The PPO critic: the FSDP2 value model, its own AdamW, and one optimizer step per window.
-
-    Every method that runs the model is collective over `group`: all trainer ranks call it,
-    with the same number of micro-batches.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        group: dist.ProcessGroup,
-        device: torch.device,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        max_grad_norm: float = 1.0,
-    ) -> None:
-        self.model = model
-        self.group = group
-        self.device = device
-        self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
-        )
-        set_gradient_sum_reduction(model)
+class Critic(TrainableModel):
+    """The PPO critic: the FSDP2 value model and its own AdamW (see TrainableModel)."""
 
     @torch.no_grad()
     def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -135,7 +109,7 @@ class Critic:
         sums = self.compute_window_gradients(
             micro_batches, old_values=old_values, returns=returns, clip_range=clip_range
         )
-        grad_norm = step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm)
+        grad_norm = self.step_optimizer()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         loss, tokens, clipped, error_sum, value_sum, return_sum, return_square_sum = sums.tolist()
         per_token = 1.0 / max(tokens, 1.0)
