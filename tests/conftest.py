@@ -10,6 +10,24 @@ from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # n
 
 
 @pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> str:
+    """A tied-embedding 2-layer Qwen3 with a 64-token vocabulary, for trainer-side tests (actor,
+    critic): small enough for exact fp64 comparisons against naive per-token loops."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, intermediate_size=128, vocab_size=64, max_position_embeddings=128,
+        tie_word_embeddings=True, initializer_range=0.1,
+    )
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The seed-0 "tiny" Qwen3 model directory (built once, cached outside git)."""
     return build_cached_tiny_model()

@@ -1,7 +1,6 @@
 import math
 import random
 
-import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -24,19 +23,6 @@ PAD = 0
 CLIP_RANGE = 0.2
 TEMPERATURE = 0.9
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, intermediate_size=128, vocab_size=64, max_position_embeddings=128,
-        tie_word_embeddings=True, initializer_range=0.1,
-    )
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
-    return str(path)
 
 
 def make_experiences(seed: int, count: int) -> list[Experience]:

@@ -195,10 +195,11 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, moments: Moments 
     count, total, total_square = moments if moments is not None else masked_moments(values, mask)
     count = count.to(x.device).clamp(min=1)
     mean = total.to(x.device) / count
-    variance = (total_square.to(x.device) / count - mean.square()).clamp(min=0)
     centered = torch.where(selected, x - mean, zeros)
-    if moments is None:  # exact two-pass variance when the whole population is here
+    if moments is None:  # the whole population is here: the exact two-pass variance
         variance = centered.square().sum() / count
+    else:
+        variance = (total_square.to(x.device) / count - mean.square()).clamp(min=0)
     # A constant population (every masked entry equal) carries no signal: exactly 0, not rounding
     # noise. Summed moments leave a variance of ~1e-16 * mean^2 for one; real spreads are far above.
     constant = variance <= 1e-10 * mean.square()
