@@ -191,6 +191,12 @@ class RefitConfig:
     """One limit over a whole refit (gather, broadcast, engine reload)."""
     check_every_steps: int = 0
     """Compare engine and trainer log-probs on a fixed probe every N refits (0 = never)."""
+    max_attempts: int = 2
+    """Attempts per refit: after a failed one (an engine reported an error or did not confirm within
+    timeout_seconds) the refit group is rebuilt and the refit retried; 1 = the first failure stops the job."""
+    receiver_cls: str = "molt.refit_receiver.RefitReceiver"
+    """The class vLLM mixes into its workers to receive and load weights (a subclass may change how
+    they are loaded); a dotted path importable in the engine's worker processes."""
 
 
 @dataclass(kw_only=True)
@@ -418,6 +424,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
           f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")
     check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
     check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
+    check(cfg.refit.max_attempts >= 1, f"refit.max_attempts={cfg.refit.max_attempts}: must be >= 1")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
           f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")
     if errors:

@@ -31,6 +31,7 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
@@ -156,22 +157,36 @@ class RolloutController:
 
     def expect(self, message_type: str, count: int, timeout_seconds: float, what: str) -> list[dict]:
         """Wait for `count` messages of one type; an error report or the deadline raises."""
-        deadline = time.monotonic() + timeout_seconds
-        received = [m for _, m in self._backlog if m["type"] == message_type][:count]
-        self._backlog = [(i, m) for i, m in self._backlog if not any(m is r for r in received)]
+        received = self.receive_replies(message_type, count, time.monotonic() + timeout_seconds, what)
+        if len(received) < count:
+            raise TimeoutError(f"{what}: got {len(received)} of {count} replies within {timeout_seconds:.0f}s; "
+                               f"a rank may be stuck or dead")
+        return received
+
+    def receive_replies(self, message_type: str, count: int, deadline: float, what: str,
+                        match: Callable[[dict], bool] | None = None) -> list[dict]:
+        """Up to `count` messages of one type, those that arrive by `deadline`; an error report
+        raises. Messages of that type `match` rejects are stale replies (to an attempt given up on)
+        and are dropped; other types wait in the backlog for the call that wants them."""
+        def stale(message: dict) -> bool:
+            return message["type"] == message_type and match is not None and not match(message)
+
+        received = [m for _, m in self._backlog if m["type"] == message_type and not stale(m)][:count]
+        self._backlog = [(i, m) for i, m in self._backlog if not stale(m) and not any(m is r for r in received)]
         while len(received) < count:
             try:
                 identity, message = self.router.receive_until(deadline)
             except TimeoutError:
-                raise TimeoutError(f"{what}: got {len(received)} of {count} replies within {timeout_seconds:.0f}s; "
-                                   f"a rank may be stuck or dead") from None
+                break
             if message["type"] in ("failed", "error"):
                 raise RolloutRankError(f"{what}: {identity} reported {message.get('during', 'start-up')} failure: "
                                        f"{message['error']}")
             if message["type"] != message_type:
                 self._backlog.append((identity, message))  # an early reply to a later wait
-                continue
-            received.append(message)
+            elif stale(message):
+                logger.info("%s: ignoring a late reply from %s: %s", what, identity, message)
+            else:
+                received.append(message)
         return received
 
     def wait_for_ranks(self, num_trainer_ranks: int) -> None:
@@ -321,6 +336,26 @@ class RolloutController:
         return part
 
     # -- refit and probes ------------------------------------------------------------------
+
+    def finish_refit(self, version: int, attempt: int, deadline: float, send_error: Exception | None) -> str | None:
+        """Wait until `deadline` for every engine to confirm one refit attempt. None when all
+        loaded the weights; otherwise what went wrong, naming each engine that did not."""
+        def this_attempt(message: dict) -> bool:
+            return message["version"] == version and message["attempt"] == attempt
+
+        replies = self.receive_replies("refit_done", len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
+        by_rank = {reply["rank"]: reply for reply in replies}
+        problems = []
+        for rank in self.rollout_ranks:
+            reply = by_rank.get(rank)
+            if reply is None:
+                problems.append(f"the engine of rollout rank {rank} did not confirm within "
+                                f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}")
+            elif reply["error"]:
+                problems.append(f"the engine of rollout rank {rank} failed: {reply['error']}")
+        if send_error is not None:
+            problems.append(f"the trainer's {send_error}")
+        return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
 
     def score_on_engines(self, token_ids: list[int], timeout_seconds: float) -> list[list[float]]:
         self.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})

@@ -13,8 +13,6 @@ from molt.config import MoltConfig
 
 logger = logging.getLogger("molt")
 
-WORKER_EXTENSION = "molt.refit_receiver.RefitReceiver"
-
 
 @dataclass(kw_only=True)
 class Generation:
@@ -83,7 +81,7 @@ class RolloutEngine:
             # Behaviour log-probs must be those of the distribution actually sampled from
             # (after temperature), because the trainer recomputes them at that temperature.
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=cfg.refit.receiver_cls,
             disable_log_stats=True,
             # Every request carries a sampling seed (_sampling_seed). When vLLM throws away the
             # sample of a partial (chunked) prefill it rewinds that request's generator, which a CPU
@@ -177,7 +175,7 @@ class RolloutEngine:
     async def receive_weights(self, version: int) -> None:
         """Receive one refit broadcast and load it; generation must be paused by the caller. The
         engine core labels what it samples from here on with `version` (see `stream`)."""
-        await self.llm.collective_rpc("molt_receive_weights")
+        await self.llm.collective_rpc("molt_receive_weights", kwargs={"version": version})
         await self.llm.update_weight_version(str(version))
         self.policy_version = version
         self._prompt_counts.clear()  # its keys carry the version: older ones can never match again

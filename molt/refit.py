@@ -20,6 +20,14 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger("molt")
 
 
+class RefitError(RuntimeError):
+    """A refit did not complete on every engine; the message names each engine that failed and why."""
+
+
+class RefitSendError(RuntimeError):
+    """The sender's broadcast failed (the refit group's timeout, or a peer went away)."""
+
+
 @dataclass(frozen=True)
 class BucketEntry:
     name: str  # Hugging Face parameter name, as vLLM's load_weights expects
@@ -95,22 +103,32 @@ class RefitSender:
         self.group = None
 
     def broadcast(self) -> int:
-        """Gather every bucket from the shards (all trainer ranks) and send it (sender). Returns bytes sent."""
+        """Gather every bucket from the shards (all trainer ranks) and send it (sender). Returns bytes sent.
+
+        A failed send raises RefitSendError on the sender, but only after the remaining buckets were
+        gathered: every trainer rank runs the same gathers whatever happened on the wire, so a
+        failure towards the engines never leaves a trainer rank waiting in a collective."""
         with torch.no_grad():
             return self._broadcast_buckets()
 
     def _broadcast_buckets(self) -> int:
-        sent = 0
+        sent, error = 0, None
         for bucket in self.buckets:
             tensors = [_full_tensor(self._params[entry.name]) for entry in bucket]
-            if not self.is_sender:
+            if not self.is_sender or error is not None:
                 continue
             flat = self._flat_buffer(bucket)
             torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
             options = dist.BroadcastOptions()
             options.rootRank = 0
-            self.group.broadcast([flat], options).wait()
+            try:
+                self.group.broadcast([flat], options).wait()
+            except RuntimeError as failure:  # gloo: the group's timeout, or a closed connection
+                error = failure
+                continue
             sent += flat.numel() * flat.element_size()
+        if error is not None:
+            raise RefitSendError(f"broadcast failed after {sent} bytes: {error}") from error
         return sent
 
     def _flat_buffer(self, bucket: list[BucketEntry]) -> torch.Tensor:

@@ -31,7 +31,12 @@ class RefitReceiver:
         self._molt_buffers = [torch.empty(sum(_numel(shape) for _, _, shape in bucket), dtype=getattr(torch, bucket[0][1]))
                               for bucket in plan]
 
-    def molt_receive_weights(self) -> None:
+    def molt_receive_weights(self, version: int) -> None:
+        """Receive the buckets of refit `version` and load them in place."""
+        weights = self.molt_receive_buckets()
+        self.molt_load_weights(weights)
+
+    def molt_receive_buckets(self) -> list[tuple[str, torch.Tensor]]:
         weights: list[tuple[str, torch.Tensor]] = []
         for bucket, flat in zip(self._molt_plan, self._molt_buffers):
             numels = [_numel(shape) for _, _, shape in bucket]
@@ -40,6 +45,9 @@ class RefitReceiver:
             self._molt_group.broadcast([flat], options).wait()
             for (name, _, shape), chunk in zip(bucket, flat.split(numels)):
                 weights.append((name, chunk.view(shape)))
+        return weights
+
+    def molt_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # One reload for the whole model: vLLM re-packs CPU weights after loading, per call.
         self.model_runner.reload_weights(weights_iterator=iter(weights))
         self._molt_retie_embeddings()

@@ -44,6 +44,7 @@ class RolloutService:
         self.rank = rank
         self.socket = connect_dealer(controller_address, f"rollout-{rank}", zmq.asyncio.Context.instance())
         self.tasks: set[asyncio.Task] = set()
+        self.refit_lock = asyncio.Lock()  # one refit (or refit group rebuild) at a time
 
     async def send(self, message: dict) -> None:
         await self.socket.send(pack(message))
@@ -122,15 +123,27 @@ class RolloutService:
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:
-        await self.engine.join_refit_group(**message["group"])
+        async with self.refit_lock:  # after any refit attempt still running (one given up on)
+            await self.engine.join_refit_group(**message["group"])
         await self.send({"type": "refit_joined", "rank": self.rank})
 
     async def refit(self, message: dict) -> None:
+        """One refit attempt; its failure is reported to the trainer, which names this engine,
+        rebuilds the refit group and retries. Until a refit succeeds the engine keeps its old
+        weights and labels what it samples with their version."""
         # Rollouts may be in flight (algorithm.max_staleness > 0); none is aborted. With
         # rollout.partial_rollout their requests are frozen and continue under the new weights;
         # without it they finish under the old ones before the swap (RolloutEngine.swap_weights).
-        await self.engine.swap_weights(message["version"], partial_rollout=self.cfg.rollout.partial_rollout)
-        await self.send({"type": "refit_done", "rank": self.rank, "version": message["version"]})
+        error = None
+        async with self.refit_lock:
+            try:
+                await self.engine.swap_weights(message["version"], partial_rollout=self.cfg.rollout.partial_rollout)
+            except Exception as failure:
+                logger.error("rollout rank %d: refit v%d (attempt %d) failed:\n%s", self.rank, message["version"],
+                             message["attempt"], traceback.format_exc())
+                error = f"{type(failure).__name__}: {failure}"
+        await self.send({"type": "refit_done", "rank": self.rank, "version": message["version"],
+                         "attempt": message["attempt"], "error": error})
 
     async def leave_refit(self, message: dict) -> None:
         await self.engine.leave_refit_group()

@@ -19,7 +19,7 @@ from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner
 from molt.metrics import MetricsLogger, StageTimer
-from molt.refit import RefitSender, find_free_port
+from molt.refit import RefitError, RefitSender, RefitSendError, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -58,6 +58,7 @@ class Trainer:
                                      wandb_mode=cfg.metrics.wandb_mode, wandb_project=cfg.metrics.wandb_project,
                                      total_steps=cfg.train.num_steps, enabled=self.is_controller)
         self.policy_version = 0
+        self.refit_failures = 0  # failed refit attempts so far (each retried or fatal)
 
     def train(self) -> None:
         self.connect_engines()
@@ -78,6 +79,7 @@ class Trainer:
             step_seconds = time.perf_counter() - started
             self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                                     **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
+                                    "refit/failed_attempts": float(self.refit_failures),
                                     "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
         self.shutdown()
 
@@ -90,6 +92,13 @@ class Trainer:
             self.inbox.send(pack({"type": "hello", "rank": self.rank}))
             return
         self.controller.wait_for_ranks(self.num_trainer_ranks)
+        self.open_refit_group()
+        logger.info("engines ready; refit group of %d ranks, %d buckets", 1 + len(self.rollout_ranks),
+                    len(self.refit.buckets))
+
+    def open_refit_group(self) -> None:
+        """Controller only: a fresh refit group with every engine's worker (at start, and after a failed refit)."""
+        self.refit.close_group()
         port = find_free_port(self.host)
         world_size = 1 + len(self.rollout_ranks)  # one worker per engine (tensor parallel 1)
         for offset, rank in enumerate(self.rollout_ranks):
@@ -98,7 +107,6 @@ class Trainer:
             self.router.send(f"rollout-{rank}", {"type": "join_refit", "group": group})
         self.refit.open_group(self.host, port, world_size)
         self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
-        logger.info("engines ready; refit group of %d ranks, %d buckets", world_size, len(self.refit.buckets))
 
     def shutdown(self) -> None:
         if self.is_controller:
@@ -140,15 +148,51 @@ class Trainer:
     # -- refit -----------------------------------------------------------------------------
 
     def push_weights(self, version: int) -> None:
-        """Broadcast the new weights into every engine; returns when every engine has loaded them."""
+        """Broadcast the new weights into every engine; returns when every engine has loaded them.
+
+        One refit.timeout_seconds covers an attempt (broadcast and every engine's confirmation). A
+        failed attempt is logged naming each engine that failed; the refit group is rebuilt and the
+        refit retried, up to refit.max_attempts, after which RefitError stops the job. An engine
+        that did not load the weights keeps sampling under its old version label, never a wrong one."""
+        max_attempts = self.cfg.refit.max_attempts
+        for attempt in range(1, max_attempts + 1):
+            failure = self.attempt_refit(version, attempt)
+            if not self.agree_with_controller(failure is not None):
+                self.policy_version = version
+                return
+            self.refit_failures += 1
+            if attempt == max_attempts:
+                raise RefitError(f"{failure or 'refit failed on the engines (rank 0 logs which)'}; "
+                                 f"gave up after refit.max_attempts={max_attempts}")
+            if self.is_controller:
+                logger.error("%s; rebuilding the refit group and retrying (attempt %d of %d)",
+                             failure, attempt + 1, max_attempts)
+                self.open_refit_group()
+
+    def attempt_refit(self, version: int, attempt: int) -> str | None:
+        """One refit attempt on every trainer rank; the controller returns what failed, if anything."""
+        deadline = time.monotonic() + self.cfg.refit.timeout_seconds
         if self.is_controller:
-            self.controller.send_to_rollout_ranks({"type": "refit", "version": version})
+            self.controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
+        send_error = None
         started = time.perf_counter()
-        num_bytes = self.refit.broadcast()
-        if self.is_controller:
-            self.controller.expect("refit_done", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit")
-            logger.debug("refit v%d: %.1f MB in %.2fs", version, num_bytes / 1e6, time.perf_counter() - started)
-        self.policy_version = version
+        try:
+            num_bytes = self.refit.broadcast()
+        except RefitSendError as error:  # only the sender raises; the engines' replies say which one failed
+            send_error, num_bytes = error, 0
+        if not self.is_controller:
+            return None
+        failure = self.controller.finish_refit(version, attempt, deadline, send_error)
+        logger.debug("refit v%d: %.1f MB in %.2fs", version, num_bytes / 1e6, time.perf_counter() - started)
+        return failure
+
+    def agree_with_controller(self, flag: bool) -> bool:
+        """The controller's flag, on every trainer rank (one tiny broadcast)."""
+        if self.num_trainer_ranks == 1:
+            return flag
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(value, group_src=0, group=self.group)
+        return bool(value.item())
 
     def refit_check_due(self, step: int) -> bool:
         every = self.cfg.refit.check_every_steps

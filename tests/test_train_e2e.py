@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
 FLAKY_AGENT = str(Path(__file__).parent / "agents" / "flaky_first_attempt.py")
+# tests/flaky_refit_receiver.py, imported by the engine's worker processes
+FLAKY_RECEIVER_ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
 
 
 def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float = 420,
@@ -70,6 +73,45 @@ def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir,
     checks = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
     assert len(checks) == 2 and all(gap <= 1e-4 for gap in checks), checks
     assert json.loads((out / "config.json").read_text())["layout"]["num_trainer_ranks"] == 2
+
+
+def test_a_failed_refit_names_the_engine_within_one_timeout_and_the_retry_loads_the_weights(
+        tmp_path, tiny_model_dir, demo_data_dir):
+    """The engine fails version 2's first refit attempt (its load raises) and sleeps past
+    refit.timeout_seconds in version 3's; each attempt is reported naming the engine, the refit
+    group is rebuilt and the retry loads the weights: the refit check after every step matches."""
+    out, timeout = tmp_path / "run", 8
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "train.num_steps": 4, "train.learning_rate": 1e-3, "rollout.max_response_tokens": 8,
+        "refit.timeout_seconds": timeout, "refit.check_every_steps": 1,
+        "refit.receiver_cls": "flaky_refit_receiver.FlakyRefitReceiver"})
+    done = _torchrun(3, f"{DEMO}:two_trainers", sets, env={
+        **FLAKY_RECEIVER_ENV, "MOLT_TEST_REFIT_FAULTS": "2:raise,3:hang", "MOLT_TEST_REFIT_HANG_SECONDS": str(timeout + 2)})
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["refit/failed_attempts"] for r in steps] == [0, 1, 2, 2]
+    failed_load = re.search(r"ERROR refit v2 \(attempt 1\): the engine of rollout rank 2 failed: (.*); rebuilding "
+                            r"the refit group and retrying \(attempt 2 of 2\)", done.stderr)
+    assert failed_load and "injected load failure at version 2" in failed_load.group(1), done.stderr[-4000:]
+    assert (f"refit v3 (attempt 1): the engine of rollout rank 2 did not confirm within "
+            f"refit.timeout_seconds={timeout}; rebuilding") in done.stderr
+    # One timeout covers the hung attempt: step 3's refit (the attempt, the rebuild, which waits
+    # for the engine to wake, and the retry) takes longer than one timeout, not two.
+    assert timeout < steps[2]["time/refit"] < 2 * timeout, steps[2]
+    gaps = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
+    assert len(gaps) == 5 and all(gap <= 1e-4 for gap in gaps), gaps
+
+
+def test_a_refit_that_fails_its_last_attempt_stops_the_job_naming_the_engine(tmp_path, tiny_model_dir, demo_data_dir):
+    sets = _job_sets(tiny_model_dir, demo_data_dir, tmp_path / "run", **{
+        "train.num_steps": 2, "rollout.max_response_tokens": 8, "refit.max_attempts": 1,
+        "refit.check_every_steps": 0, "refit.receiver_cls": "flaky_refit_receiver.FlakyRefitReceiver"})
+    done = _torchrun(2, DEMO, sets, env={**FLAKY_RECEIVER_ENV, "MOLT_TEST_REFIT_FAULTS": "1:raise"})
+    assert done.returncode != 0
+    fatal = re.search(r"RefitError: refit v1 \(attempt 1\): the engine of rollout rank 1 failed: (.*); gave up "
+                      r"after refit.max_attempts=1", done.stderr)
+    assert fatal and "injected load failure at version 1" in fatal.group(1), done.stderr[-4000:]
 
 
 def test_failed_rollouts_drop_their_groups_by_default(tmp_path, tiny_model_dir, demo_data_dir):
