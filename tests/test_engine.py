@@ -184,6 +184,70 @@ def test_without_partial_rollout_in_flight_requests_finish_on_old_weights_and_qu
     assert all(len(r["tokens"]) >= 1 and r["versions"] == [2] * len(r["tokens"]) for r in queued)
 
 
+@pytest.mark.parametrize("partial_rollout", [True, False], ids=["keep", "wait"])
+def test_requests_queued_in_the_scheduler_when_the_pause_lands_finish_wholly_on_the_new_weights(
+        engine, trainer_side, partial_rollout):
+    # RELIABILITY 6: more requests than the engine runs at once, so the last ones sit in vLLM's
+    # waiting queue when the pause lands. None is lost, and none starts before the new weights
+    # (every token it samples carries the new version); those already running keep their versions.
+    rollout_engine = engine.engine
+    llm = rollout_engine.llm
+    max_num_seqs = llm.vllm_config.scheduler_config.max_num_seqs
+    prompt = _prompt(rollout_engine.tokenizer, "Count to one hundred.")
+    num_requests, max_tokens, new_version = max_num_seqs + 8, 32, 3
+    trainer_side.set_weights(noise_seed=3)
+    go = threading.Event()
+    sender = trainer_side.broadcast_when(go)
+
+    async def swap_with_requests_running_and_waiting():
+        progress = [0] * num_requests
+        tasks = [asyncio.create_task(_collect(rollout_engine, prompt, 400 + i, progress, i, max_tokens=max_tokens))
+                 for i in range(num_requests)]
+        # Every request was handed to the engine core before the pause (vLLM registers a request
+        # with its output processor just before sending it, and a finished one leaves it), and
+        # the first requests run.
+        await _until(lambda: llm.get_num_unfinished_requests() + sum(t.done() for t in tasks) == num_requests
+                     and any(progress))
+        swap = asyncio.create_task(rollout_engine.swap_weights(new_version, partial_rollout=partial_rollout))
+        while not await llm.is_paused():
+            await asyncio.sleep(0.001)
+        if not partial_rollout:  # 'wait': the running requests finish first, on the old weights
+            await _until(lambda: all(t.done() or p == 0 for t, p in zip(tasks, progress)))
+        await asyncio.sleep(0.3)  # what was sampled before the pause (or during the drain) is delivered
+        held = list(progress)  # still paused: the weights have not changed yet
+        go.set()  # the trainer broadcasts
+        await swap
+        return held, await asyncio.gather(*tasks)
+
+    try:
+        held, results = engine.run(swap_with_requests_running_and_waiting())
+        sender.join(120)
+    finally:
+        go.set()
+        _restore(engine, trainer_side)
+
+    assert all(r["finish"] in ("stop", "length") for r in results), [r["finish"] for r in results]  # none lost
+    assert all(len(r["versions"]) == len(r["tokens"]) == len(r["logprobs"]) >= 1 for r in results)
+    waiting = [i for i, seen in enumerate(held) if seen == 0]
+    # At most max_num_seqs requests ran when the pause landed; any other that had sampled under the
+    # old weights had already finished (on a stop token: none was anywhere near max_tokens).
+    num_stopped = sum(results[i]["finish"] == "stop" for i in range(num_requests) if held[i] > 0)
+    assert len(waiting) >= max(1, num_requests - max_num_seqs - num_stopped), (len(waiting), num_stopped)
+    for i in waiting:  # queued across the pause: started only on the new weights
+        assert results[i]["versions"] == [new_version] * len(results[i]["tokens"]), i
+    spanning = 0
+    for i, result in enumerate(results):
+        if held[i] == 0:
+            continue
+        tokens, versions = result["tokens"], result["versions"]
+        if partial_rollout:  # 'keep': frozen at the pause, the rest sampled by the new weights
+            assert versions == [0] * held[i] + [new_version] * (len(tokens) - held[i]), i
+            spanning += held[i] < len(tokens)
+        else:  # 'wait': finished wholly on the old weights during the pause
+            assert held[i] == len(tokens) and versions == [0] * len(tokens), i
+    assert spanning >= 1 or not partial_rollout, "no running request was kept across the swap"
+
+
 def test_derived_seeds_make_samples_independent_of_batching(engine):
     llm, tokenizer = engine.engine.llm, engine.engine.tokenizer
     prompts = [_prompt(tokenizer, "3+5=")] * 3 + [_prompt(tokenizer, "2+2=")] * 3
