@@ -75,10 +75,7 @@ def tool_agent() -> MoltConfig:
     cfg.rollout.max_length = 512
     cfg.train.learning_rate = 3e-4
     cfg.train.num_steps = 300
-    # Synchronous: the recipe's measured learning curve (README) was taken in this mode.
-    cfg.algorithm.max_staleness = 0
-    cfg.rollout.partial_rollout = False
-    return cfg
+    return cfg  # streams like the demo: max_staleness 1, partial rollout, truncated token weights
 
 
 def tool_agent_anthropic() -> MoltConfig:

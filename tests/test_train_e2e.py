@@ -280,15 +280,19 @@ def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_da
 
 @pytest.mark.parametrize("recipe", ["tool_agent", "tool_agent_anthropic"])
 def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, demo_data_dir, recipe):
+    """The recipes as shipped: streaming (max_staleness 1, partial rollout), sessions through the SDKs."""
     out = tmp_path / "run"
     done = _torchrun(2, f"{DEMO}:{recipe}", _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "train.num_steps": 2, "rollout.max_response_tokens": 8}))
+        "train.num_steps": 3, "rollout.max_response_tokens": 8, "algorithm.max_staleness": 1,
+        "rollout.partial_rollout": True}))
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
         assert row["rollout/failed"] == 0, row
         assert row["drift/first_turn"] == row["rollout/num_rollouts"] == 16  # one session per rollout
         assert row["train/num_action_tokens"] > 0 and math.isfinite(row["train/loss"])
+        assert row["staleness/max"] <= 1, row
+    assert [r["rollout/in_flight"] for r in steps] == [16, 16, 0]  # the next step's sessions ran meanwhile
     assert all(gap <= 1e-4 for gap in (r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r))
