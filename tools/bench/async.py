@@ -17,11 +17,14 @@ then the command that produced them:
   trained tokens (staleness/mean, staleness/max).
 
     python tools/bench/async.py [--steps 30] [--warmup-steps 5] [--max-staleness 2] [--prompts 16]
-        [--samples 8] [--max-tokens 16] [--latency-median 0.1] [--latency-sigma 1.0] [--latency-cap 0.6]
-        [--out-dir runs/bench-async]
+        [--samples 8] [--max-tokens 16] [--latency-median 0.2] [--latency-sigma 1.0] [--latency-cap 1.0]
+        [--hidden-size 384] [--out-dir runs/bench-async]
 
 The default workload puts the slowest tool call of a step (the cap) near the trainer's step time:
-streaming hides tool latency up to about k steps of training; past that the trainer waits.
+streaming hides tool latency up to about k steps of training; past that the trainer waits. The
+default model (2 layers, hidden 384) makes a training step cost about what generating its batch
+does, as in real runs; with the tests' hidden-128 model generation costs more than training on
+shared CPU cores, so the trainer waits for generation however far rollouts run ahead.
 """
 
 import argparse
@@ -75,6 +78,15 @@ def run_job(args, model_dir: Path, data_dir: Path, out: Path, *, max_staleness: 
     return time.perf_counter() - started
 
 
+def build_model(fixtures, hidden_size: int) -> Path:
+    """The tests' tiny model, or (with a hidden size) the same architecture that wide, cached alike."""
+    if not hidden_size:
+        return fixtures.build_cached_tiny_model()
+    tool = fixtures.load_tool("make_tiny_model")
+    target = fixtures.cache_root() / "models" / f"tiny-h{hidden_size}-seed0-{fixtures.generator_version('make_tiny_model')}"
+    return fixtures.build_cached(target, lambda out_dir: tool.make_tiny_model(out_dir, hidden_size=hidden_size))
+
+
 def summarize(out: Path, warmup_steps: int) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in rows if r["step"] > warmup_steps]
@@ -105,13 +117,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_step")
     parser.add_argument("--samples", type=int, default=8, help="rollout.n_samples_per_prompt")
     parser.add_argument("--max-tokens", type=int, default=16, help="rollout.max_response_tokens")
-    parser.add_argument("--latency-median", type=float, default=0.1, help="tool latency median, seconds")
+    parser.add_argument("--latency-median", type=float, default=0.2, help="tool latency median, seconds")
     parser.add_argument("--latency-sigma", type=float, default=1.0, help="log-normal sigma of the tool latency")
-    parser.add_argument("--latency-cap", type=float, default=0.6, help="longest tool latency, seconds")
+    parser.add_argument("--latency-cap", type=float, default=1.0, help="longest tool latency, seconds")
+    parser.add_argument("--hidden-size", type=int, default=384,
+                        help="hidden size of the generated 2-layer model (0: the tests' tiny model, 128)")
     parser.add_argument("--out-dir", default="runs/bench-async", help="the two jobs' run directories and logs")
     args = parser.parse_args()
     fixtures = load_fixtures()
-    model_dir, data_dir = fixtures.build_cached_tiny_model(), fixtures.build_cached_demo_data()
+    model_dir, data_dir = build_model(fixtures, args.hidden_size), fixtures.build_cached_demo_data()
     figures = {}
     for name, staleness in (("synchronous", 0), ("streaming", args.max_staleness)):
         out = (REPO_ROOT / args.out_dir / name).resolve()
