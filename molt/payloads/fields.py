@@ -1,0 +1,67 @@
+"""Which parts of an experience travel as a payload (DESIGN sections 5, 7): the token-axis fields,
+as tensors, and optional extras (multimodal tensors, raw images as uint8 [height, width, channels],
+routed experts as [tokens, layers, top_k]). The light record keeps the rest and the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from molt.experience import Experience, summarize_tokens
+from molt.payloads.reference import PayloadRef
+from molt.payloads.store import PayloadStore
+
+if TYPE_CHECKING:
+    from molt.payloads.client import PayloadClient
+
+# Field -> payload dtype. Log-probs are float32, as the engine computes them and the trainer uses
+# them (molt.batch); token ids and versions fit int32.
+TOKEN_FIELDS = {"token_ids": torch.int32, "action_mask": torch.uint8, "behavior_logprobs": torch.float32,
+                "policy_versions": torch.int32}
+
+
+def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
+    """The experience's token-axis fields, each a [tokens] tensor."""
+    return {name: torch.tensor(getattr(experience, name), dtype=dtype) for name, dtype in TOKEN_FIELDS.items()}
+
+
+def offload_experience(store: PayloadStore, experience: Experience,
+                       extras: dict[str, torch.Tensor] | None = None) -> tuple[Experience, PayloadRef]:
+    """Moves the experience's token-axis fields and `extras` into `store`. Returns the light
+    experience (token-axis lists empty) and the reference that `restore_experience` undoes."""
+    extras = extras or {}
+    clashes = set(extras) & set(TOKEN_FIELDS)
+    if clashes:
+        raise ValueError(f"extra payload tensors may not be named like token-axis fields: {sorted(clashes)}")
+    ref = store.offload({**experience_tensors(experience), **extras})
+    light = dataclasses.replace(experience, token_ids=[], action_mask=[], behavior_logprobs=[],
+                                policy_versions=[], info=dict(experience.info))
+    return light, ref
+
+
+def restore_experience(light: Experience,
+                       tensors: dict[str, torch.Tensor]) -> tuple[Experience, dict[str, torch.Tensor]]:
+    """The full experience from its light record and reloaded payload, and the payload's extras."""
+    missing = set(TOKEN_FIELDS) - set(tensors)
+    if missing:
+        raise ValueError(f"payload lacks token-axis fields {sorted(missing)}; it has {sorted(tensors)}")
+    fields = {name: tensors[name].tolist() for name in TOKEN_FIELDS}
+    extras = {name: t for name, t in tensors.items() if name not in TOKEN_FIELDS}
+    return dataclasses.replace(light, **fields), extras
+
+
+def offload_record(store: PayloadStore, experience: Experience) -> Experience:
+    """The light record that travels instead of `experience`: its token-axis fields in `store`,
+    `payload` the reference to them, `summary` what the controller reads of them."""
+    light, ref = offload_experience(store, experience)
+    light.payload, light.summary = ref.to_dict(), summarize_tokens(experience)
+    return light
+
+
+def reload_record(client: PayloadClient, light: Experience) -> Experience:
+    """The full experience of a light record (frees its payload at the owner once it is here)."""
+    full, _ = restore_experience(light, client.reload(PayloadRef.from_dict(light.payload)))
+    full.payload = full.summary = None
+    return full
