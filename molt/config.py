@@ -15,6 +15,7 @@ import difflib
 import importlib.util
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -200,6 +201,20 @@ class RefitConfig:
 
 
 @dataclass(kw_only=True)
+class PayloadConfig:
+    budget_megabytes: float = 1024.0
+    """Shared memory one rollout rank's payload store may hold (experiences' token-axis tensors
+    until their trainer rank has them); past it, payloads spill to files in spill_dir."""
+    spill_dir: str = ""
+    """Directory for spilled payloads, private to the user ('' = molt-payloads-<uid> in the system temp dir)."""
+    node_id: str = ""
+    """This machine's id in payload references ('' = its host name): equal ids read each other's
+    payloads from shared memory, different ones fetch them over ZeroMQ."""
+    fetch_timeout_seconds: float = 120.0
+    """How long a trainer rank waits for a payload from another node's store."""
+
+
+@dataclass(kw_only=True)
 class MetricsConfig:
     output_dir: str = ""
     """Run directory for metrics.jsonl, config.json and W&B files ('' = runs/<name>)."""
@@ -225,6 +240,7 @@ class MoltConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
+    payloads: PayloadConfig = field(default_factory=PayloadConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -424,6 +440,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
           f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")
     check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
     check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
+    check(cfg.payloads.budget_megabytes >= 0, f"payloads.budget_megabytes={cfg.payloads.budget_megabytes}: must be >= 0 (0 spills every payload)")
+    check(cfg.payloads.fetch_timeout_seconds > 0, f"payloads.fetch_timeout_seconds={cfg.payloads.fetch_timeout_seconds}: must be > 0")
+    check(not cfg.payloads.node_id or bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.payloads.node_id)),
+          f"payloads.node_id={cfg.payloads.node_id!r}: 1-64 characters of letters, digits, '_', '.', '-'")
     check(cfg.refit.max_attempts >= 1, f"refit.max_attempts={cfg.refit.max_attempts}: must be >= 1")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
           f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")

@@ -36,7 +36,8 @@ from collections.abc import Callable
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
 from molt.dataset import PromptRow, build_prompt_loader
-from molt.experience import Experience, split_at_version_changes
+from molt.experience import Experience
+from molt.payloads import PayloadClient, PayloadRef, default_node_id
 from molt.rollout import decode_outcome
 from molt.wire import Router
 
@@ -75,6 +76,7 @@ class StepRollouts:
     dropped_rollouts: Counter = field(default_factory=Counter)  # rollouts not trained on, by DROP_REASONS
     trained_version: int = 0  # the policy version this step's update starts from
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
+    payload_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' payload stores, summed
 
     def merge(self, later: StepRollouts) -> None:
         """Add later groups of the same step: they go after these (dispatch order), counts add up."""
@@ -148,6 +150,11 @@ class RolloutController:
         self._queue: deque[GroupInFlight] = deque()  # dispatched groups not yet released, in dispatch order
         self._requests: dict[int, tuple[GroupInFlight, dict]] = {}  # rollout id -> its group and request, until back
         self.accounting = Accounting()
+        # The controller handles references only; it frees the payloads of experiences no step trains.
+        self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
+                                      timeout_seconds=cfg.payloads.fetch_timeout_seconds)
+        self.store_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its store's latest metrics
+        self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -249,6 +256,9 @@ class RolloutController:
                            len(result.groups), target, algo.max_backfill_prompts, dict(result.filtered_groups),
                            result.dropped_groups)
         result.accounting = self.accounting.check(self.num_in_flight)
+        for metrics in self.store_metrics.values():
+            for key, value in metrics.items():
+                result.payload_metrics[key] = result.payload_metrics.get(key, 0.0) + value
         return result
 
     def top_up(self, policy_version: int) -> None:
@@ -294,11 +304,13 @@ class RolloutController:
         # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
         what = f"rollouts ({self.num_in_flight} in flight)"
-        outcome = decode_outcome(self.expect("outcome", 1, timeout, what)[0])
+        message = self.expect("outcome", 1, timeout, what)[0]
+        outcome = decode_outcome(message)
+        self.token_values_received += sum(len(e.token_ids) + len(e.behavior_logprobs) for e in outcome.experiences)
+        if "payload_store" in message:
+            self.store_metrics[message["rank"]] = message["payload_store"]
         group, request = self._requests.pop(outcome.rollout_id)
         group.pending.discard(outcome.rollout_id)
-        if not cfg.rollout.partial_rollout:
-            split_by_version(outcome)
         group.outcomes.append(outcome)
         if not outcome.failure:
             return
@@ -331,6 +343,10 @@ class RolloutController:
                 part.dropped_rollouts["filtered"] = num_good
         if part.groups:
             part.consumed_rollouts = num_good
+        kept = {id(e) for g in part.groups for e in g}
+        for experience in (e for outcome in group.outcomes for e in outcome.experiences):
+            if id(experience) not in kept and experience.payload is not None:
+                self.payloads.release(PayloadRef.from_dict(experience.payload))
         self.accounting.consumed += part.consumed_rollouts
         self.accounting.dropped.update(part.dropped_rollouts)
         return part
@@ -367,25 +383,12 @@ class RolloutController:
             logger.info("stopping with %d rollouts in flight (%d groups dispatched for steps past the last)",
                         self.num_in_flight, len(self._queue))
         self.send_to_rollout_ranks({"type": "shutdown"})
+        self.payloads.close()
 
 
 def should_refill(num_refills: int, agent: AgentConfig) -> bool:
     """Whether a failed rollout is re-run, given the refills its group already had."""
     return agent.on_failed_rollout == "refill" and num_refills < agent.max_refills_per_group
-
-
-def split_by_version(outcome: RolloutOutcome) -> None:
-    """Without partial rollout no experience may span two policy versions: a multi-turn rollout
-    whose next turn ran under a newer version is split there (molt.experience.split_at_version_changes),
-    counted in its drift ledger as 'version_change'."""
-    pieces = [split_at_version_changes(e) for e in outcome.experiences]
-    num_changes = sum(len(p) - 1 for p in pieces)
-    if not num_changes:
-        return
-    outcome.experiences = [e for p in pieces for e in p]
-    for index, experience in enumerate(outcome.experiences):
-        experience.segment_index = index
-    outcome.ledger = {**outcome.ledger, "version_change": outcome.ledger.get("version_change", 0) + num_changes}
 
 
 def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -> StepRollouts:
@@ -413,13 +416,16 @@ def compute_staleness(groups: list[list[Experience]], trained_version: int) -> d
     """Staleness metrics of a step's groups: mean and max version lag of the action tokens (the
     trained version minus the version that sampled the token; nan and 0 without action tokens), and
     how many experiences hold action tokens of more than one version (partial rollout)."""
-    lags, multi_version = [], 0
+    num_tokens, version_sum, max_lag, multi_version = 0, 0, 0, 0
     for experience in (e for group in groups for e in group):
-        versions = [v for is_action, v in zip(experience.action_mask, experience.policy_versions) if is_action]
-        lags += [trained_version - version for version in versions]
-        multi_version += len(set(versions)) > 1
-    return {"staleness/mean": sum(lags) / len(lags) if lags else float("nan"),
-            "staleness/max": float(max(lags, default=0)),
+        count, total, lowest, highest = experience.action_version_stats()
+        if not count:
+            continue
+        num_tokens, version_sum = num_tokens + count, version_sum + total
+        max_lag = max(max_lag, trained_version - lowest)
+        multi_version += lowest != highest
+    return {"staleness/mean": trained_version - version_sum / num_tokens if num_tokens else float("nan"),
+            "staleness/max": float(max_lag),
             "staleness/multi_version_experiences": float(multi_version)}
 
 

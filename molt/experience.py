@@ -26,14 +26,25 @@ class Experience:
     segment_index: int = 0  # position of this segment within its rollout
     truncated: bool = False  # the last response was cut at max_response_tokens or max_length
     info: dict[str, float] = field(default_factory=dict)  # numeric metrics from the agent
+    # While offloaded (molt.payloads.fields): the token-axis lists are empty, `payload` is the
+    # reference to them in the producing node's payload store, and `summary` keeps what the
+    # controller needs without them (see summarize_tokens).
+    payload: dict | None = None
+    summary: dict[str, int] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.summary["num_tokens"] if self.summary else len(self.token_ids)
 
     @property
     def num_action_tokens(self) -> int:
-        return sum(self.action_mask)
+        return self.summary["num_action_tokens"] if self.summary else sum(self.action_mask)
+
+    def action_version_stats(self) -> tuple[int, int, int, int]:
+        """(count, sum, min, max) of the action tokens' policy versions ((0, 0, 0, 0) without any)."""
+        summary = self.summary or summarize_tokens(self)
+        return (summary["num_action_tokens"], summary["version_sum"], summary["version_min"],
+                summary["version_max"])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,6 +52,15 @@ class Experience:
     @classmethod
     def from_dict(cls, data: dict) -> Experience:
         return cls(**data)
+
+
+def summarize_tokens(experience: Experience) -> dict[str, int]:
+    """What the controller reads of the token-axis fields: their length, the action-token count
+    and the action tokens' policy versions (sum, min, max) for the staleness metrics."""
+    versions = [v for is_action, v in zip(experience.action_mask, experience.policy_versions) if is_action]
+    return {"num_tokens": len(experience.token_ids), "num_action_tokens": len(versions),
+            "version_sum": sum(versions), "version_min": min(versions, default=0),
+            "version_max": max(versions, default=0)}
 
 
 @dataclass

@@ -21,11 +21,14 @@ from molt.agent_pool import AgentWorkerPool
 # The rollout wire format lives with the agent workers that produce and consume it; the
 # controller (and its tests) import it from here.
 from molt.agent_worker import decode_outcome, decode_request, encode_outcome  # noqa: F401
+from molt.agents.base import RolloutOutcome
 from molt.config import MoltConfig
 from molt.endpoint.server import SessionEndpoint
 from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
+from molt.experience import split_at_version_changes
 from molt.loop_lag import LoopLagMonitor
+from molt.payloads import PayloadStore, default_node_id, offload_record
 from molt.wire import connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -33,15 +36,16 @@ logger = logging.getLogger("molt")
 RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this loop: their requests waited meanwhile"
 
 
-def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: str) -> None:
+def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: str, host: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
-    asyncio.run(RolloutService(cfg, rank, controller_address).serve())
+    asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
 
 
 class RolloutService:
-    def __init__(self, cfg: MoltConfig, rank: int, controller_address: str):
+    def __init__(self, cfg: MoltConfig, rank: int, controller_address: str, host: str):
         self.cfg = cfg
         self.rank = rank
+        self.host = host  # this node's interface: other nodes' trainer ranks fetch payloads there
         self.socket = connect_dealer(controller_address, f"rollout-{rank}", zmq.asyncio.Context.instance())
         self.tasks: set[asyncio.Task] = set()
         self.refit_lock = asyncio.Lock()  # one refit (or refit group rebuild) at a time
@@ -51,11 +55,15 @@ class RolloutService:
 
     async def serve(self) -> None:
         self.workers = AgentWorkerPool(self.cfg, self.rank)
+        self.payloads = None
+        self.endpoint = None
         try:
             await self.start()
         except Exception as error:
             await self.send({"type": "failed", "rank": self.rank, "error": f"{type(error).__name__}: {error}"})
             await self.workers.close()
+            if self.payloads is not None:
+                self.payloads.close()
             raise
         self.workers.on_failure = self.report_worker_failure
         self.lag = LoopLagMonitor(f"rollout rank {self.rank}", RANK_LAG_ADVICE)
@@ -80,12 +88,16 @@ class RolloutService:
             if self.endpoint is not None:
                 await self.endpoint.stop()
             self.engine.shutdown()
+            self.payloads.close()
             self.socket.close(0)
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast
+        payloads = self.cfg.payloads
+        self.payloads = PayloadStore(default_node_id(payloads.node_id), host=self.host,
+                                     budget_bytes=int(payloads.budget_megabytes * 2**20),
+                                     spill_dir=payloads.spill_dir or None)
         self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
-        self.endpoint = None
         if kind == "chat":
             for problem in find_prefix_breaks(self.engine.tokenizer):
                 logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "
@@ -117,9 +129,11 @@ class RolloutService:
                              "error": f"{type(error).__name__}: {error}"})
 
     async def run_rollout(self, message: dict) -> None:
-        outcome = await self.workers.run(message["request"])
+        outcome = offload_outcome(await self.workers.run(message["request"]), self.payloads,
+                                  partial_rollout=self.cfg.rollout.partial_rollout)
         # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.
         outcome["loop_lag_max_seconds"] = max(outcome.get("loop_lag_max_seconds", 0.0), self.lag.take_max())
+        outcome["rank"], outcome["payload_store"] = self.rank, self.payloads.metrics()
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:
@@ -153,3 +167,29 @@ class RolloutService:
         logprobs = await self.engine.score(message["token_ids"])
         await self.send({"type": "scored", "rank": self.rank, "logprobs": logprobs,
                          "version": self.engine.policy_version})
+
+
+def offload_outcome(message: dict, store: PayloadStore, *, partial_rollout: bool) -> dict:
+    """An agent worker's outcome as the controller gets it (DESIGN section 7): each experience's
+    token-axis fields go into this node's payload store and the record carries a reference to
+    them; the trainer rank that trains an experience fetches it from there. Without partial
+    rollout, experiences are first split where the policy version changes (split_by_version)."""
+    outcome = decode_outcome(message)
+    if not partial_rollout:
+        split_by_version(outcome)
+    outcome.experiences = [offload_record(store, e) for e in outcome.experiences]
+    return {**message, **encode_outcome(outcome)}
+
+
+def split_by_version(outcome: RolloutOutcome) -> None:
+    """Without partial rollout no experience may span two policy versions: a multi-turn rollout
+    whose next turn ran under a newer version is split there (molt.experience.split_at_version_changes),
+    counted in its drift ledger as 'version_change'."""
+    pieces = [split_at_version_changes(e) for e in outcome.experiences]
+    num_changes = sum(len(p) - 1 for p in pieces)
+    if not num_changes:
+        return
+    outcome.experiences = [e for p in pieces for e in p]
+    for index, experience in enumerate(outcome.experiences):
+        experience.segment_index = index
+    outcome.ledger = {**outcome.ledger, "version_change": outcome.ledger.get("version_change", 0) + num_changes}

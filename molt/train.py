@@ -129,7 +129,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
                 Trainer(cfg, rank=rank, group=trainer_group, device=device, host=host, controller_address=address,
                         router=None, rollout_ranks=rollout_ranks).train()
             else:
-                run_rollout_rank(cfg, rank, address)
+                run_rollout_rank(cfg, rank, address, host)
     finally:
         dist.destroy_process_group()
     return 0

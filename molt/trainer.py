@@ -19,6 +19,7 @@ from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner
 from molt.metrics import MetricsLogger, StageTimer
+from molt.payloads import PayloadClient, default_node_id, reload_record
 from molt.refit import RefitError, RefitSender, RefitSendError, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
 
@@ -49,6 +50,10 @@ class Trainer:
         self.refit = RefitSender(model, is_sender=self.is_controller,
                                  bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
                                  timeout_seconds=cfg.refit.timeout_seconds)
+        # Experiences arrive as light records; each rank fetches its own share's token-axis fields
+        # from the payload store of the rollout rank that produced them (DESIGN section 7).
+        self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
+                                      timeout_seconds=cfg.payloads.fetch_timeout_seconds)
         self.router = router
         self.controller_address = controller_address
         self.controller = RolloutController(cfg, router, rollout_ranks) if self.is_controller else None
@@ -109,6 +114,7 @@ class Trainer:
         self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
 
     def shutdown(self) -> None:
+        self.payloads.close()
         if self.is_controller:
             self.controller.shutdown()
         self.metrics.close()
@@ -121,8 +127,12 @@ class Trainer:
         if self.is_controller:
             return self.assemble_batch(self.controller.collect_step(self.policy_version))
         message = unpack(self.inbox.recv())
-        experiences = [Experience.from_dict(e) for e in message["experiences"]]
+        experiences = self.reload([Experience.from_dict(e) for e in message["experiences"]])
         return experiences, BatchInfo(**message["info"]), message["num_micro_batches"], {}
+
+    def reload(self, experiences: list[Experience]) -> list[Experience]:
+        """Full experiences from light records (each payload freed at its store once here)."""
+        return [reload_record(self.payloads, e) if e.payload is not None else e for e in experiences]
 
     def assemble_batch(self, rollouts: StepRollouts):
         """A balanced share of the step's experiences per trainer rank, plus what every rank needs
@@ -142,8 +152,12 @@ class Trainer:
             logger.warning("no complete group this step (failures: %s); the step trains on nothing",
                            dict(rollouts.failures))
         own = shares[0]
-        return ([experiences[i] for i in own], BatchInfo(**batch, own=own), num_micro_batches,
-                _rollout_metrics(rollouts, experiences))
+        metrics = {**_rollout_metrics(rollouts, experiences),
+                   # What passed through the controller's socket so far: references and control only.
+                   "controller/bytes_received_total": float(self.router.bytes_received),
+                   "controller/bytes_sent_total": float(self.router.bytes_sent),
+                   "controller/token_values_received_total": float(self.controller.token_values_received)}
+        return self.reload([experiences[i] for i in own]), BatchInfo(**batch, own=own), num_micro_batches, metrics
 
     # -- refit -----------------------------------------------------------------------------
 
@@ -222,7 +236,7 @@ class Trainer:
 
 def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> dict[str, float]:
     rewards = {e.rollout_id: e.reward for e in experiences}
-    response_lengths = [sum(e.action_mask) for e in experiences]
+    response_lengths = [e.num_action_tokens for e in experiences]
     metrics = {
         "reward/mean": statistics.fmean(rewards.values()) if rewards else math.nan,
         "rollout/num_rollouts": float(rollouts.num_rollouts),
@@ -241,6 +255,7 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
     metrics.update(compute_staleness(rollouts.groups, rollouts.trained_version))
     metrics.update({"rollout/consumed": float(rollouts.consumed_rollouts), **rollouts.accounting})
     metrics["rollout/loop_lag_max_seconds"] = rollouts.loop_lag_max_seconds
+    metrics.update({key: float(value) for key, value in rollouts.payload_metrics.items()})
     metrics.update({f"drift/{reason}": float(n) for reason, n in rollouts.ledger.items()})
     metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
     infos: dict[str, list[float]] = {}

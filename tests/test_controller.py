@@ -11,9 +11,9 @@ import pytest
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
 from molt.controller import (Accounting, AccountingError, RolloutController, StepRollouts, compute_staleness,
-                             filter_groups_by_score, gather_groups, group_filter_reason, should_refill,
-                             split_by_version)
+                             filter_groups_by_score, gather_groups, group_filter_reason, should_refill)
 from molt.experience import Experience
+from molt.rollout import split_by_version
 from molt.rollout import decode_outcome, encode_outcome
 from molt.wire import Router, connect_dealer, pack, unpack
 

@@ -3,6 +3,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 from test_train_e2e import DEMO, _job_sets, _torchrun
@@ -82,3 +83,30 @@ def test_streaming_without_partial_rollout_never_mixes_versions_in_an_experience
     # Rollouts whose second turn ran after a refit were split there (the first turn became context).
     assert sum(r.get("drift/version_change", 0) for r in rows) > 0
     assert max(r["rollout/segments_per_rollout"] for r in rows) > 1
+
+
+def test_streaming_moves_every_payload_through_the_stores_and_leaves_nothing_behind(
+        tmp_path, tiny_model_dir, demo_data_dir):
+    """Two trainer ranks fetch their shares from the rollout rank's payload store; a small budget
+    makes some payloads spill to files. The controller sees references only, payloads are freed
+    once trained on, and the job leaves no shared-memory segment or spill file behind."""
+    out, spill, node = tmp_path / "run", tmp_path / "spill", f"e2e-{os.getpid()}"
+    done = _torchrun(3, f"{DEMO}:two_trainers", _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "train.num_steps": 5, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0,
+        "algorithm.max_staleness": 1, "rollout.partial_rollout": True, "algorithm.importance_level": "token",
+        "algorithm.importance_mode": "trunc", "payloads.budget_megabytes": 0.02, "payloads.spill_dir": spill,
+        "payloads.node_id": node}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [r for r in _rows(out) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    trained = [r["rollout/consumed"] * r["rollout/segments_per_rollout"] for r in rows]
+    for index, row in enumerate(rows):
+        assert row["controller/token_values_received_total"] == 0, row  # references only
+        assert row["payloads/offloaded"] >= sum(trained[:index + 1]), row
+        # The stores report with each outcome, so the frees of the last step or two may not show yet.
+        assert row["payloads/freed"] >= sum(trained[:max(0, index - 1)]), row
+        assert math.isfinite(row["train/loss"]) and row["train/num_action_tokens"] > 0, row
+    assert rows[-1]["payloads/spilled"] > 0 and rows[-1]["payloads/segments"] > 0  # past the 20 KiB budget, files
+    assert rows[-1]["payloads/segment_bytes"] <= 0.02 * 2**20
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"molt-{node}-")]
+    assert not os.listdir(spill)
