@@ -76,7 +76,7 @@ class StepRollouts:
     dropped_rollouts: Counter = field(default_factory=Counter)  # rollouts not trained on, by DROP_REASONS
     trained_version: int = 0  # the policy version this step's update starts from
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
-    payload_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' payload stores, summed
+    rank_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' payload-store and process metrics, summed
 
     def merge(self, later: StepRollouts) -> None:
         """Add later groups of the same step: they go after these (dispatch order), counts add up."""
@@ -153,7 +153,7 @@ class RolloutController:
         # The controller handles references only; it frees the payloads of experiences no step trains.
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
                                       timeout_seconds=cfg.payloads.fetch_timeout_seconds)
-        self.store_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its store's latest metrics
+        self.rank_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its latest store and process metrics
         self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -256,9 +256,9 @@ class RolloutController:
                            len(result.groups), target, algo.max_backfill_prompts, dict(result.filtered_groups),
                            result.dropped_groups)
         result.accounting = self.accounting.check(self.num_in_flight)
-        for metrics in self.store_metrics.values():
+        for metrics in self.rank_metrics.values():
             for key, value in metrics.items():
-                result.payload_metrics[key] = result.payload_metrics.get(key, 0.0) + value
+                result.rank_metrics[key] = result.rank_metrics.get(key, 0.0) + value
         return result
 
     def top_up(self, policy_version: int) -> None:
@@ -307,8 +307,8 @@ class RolloutController:
         message = self.expect("outcome", 1, timeout, what)[0]
         outcome = decode_outcome(message)
         self.token_values_received += sum(len(e.token_ids) + len(e.behavior_logprobs) for e in outcome.experiences)
-        if "payload_store" in message:
-            self.store_metrics[message["rank"]] = message["payload_store"]
+        if "rank_metrics" in message:
+            self.rank_metrics[message["rank"]] = message["rank_metrics"]
         group, request = self._requests.pop(outcome.rollout_id)
         group.pending.discard(outcome.rollout_id)
         group.outcomes.append(outcome)

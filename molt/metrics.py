@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -136,6 +137,15 @@ def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, confi
     if mode == "offline":
         logger.info("upload it later with: wandb sync %s", run_dir)
     return run
+
+
+def process_resources(role: str) -> dict[str, float]:
+    """This process's resident memory and open file descriptors (Linux /proc), as
+    `process/<role>_rss_bytes` and `process/<role>_open_fds`: a long run shows leaks as growth."""
+    with open("/proc/self/statm") as statm:
+        resident_pages = int(statm.read().split()[1])
+    return {f"process/{role}_rss_bytes": float(resident_pages * os.sysconf("SC_PAGE_SIZE")),
+            f"process/{role}_open_fds": float(len(os.listdir("/proc/self/fd")))}
 
 
 class StageTimer:

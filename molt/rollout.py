@@ -28,6 +28,7 @@ from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
 from molt.experience import split_at_version_changes
 from molt.loop_lag import LoopLagMonitor
+from molt.metrics import process_resources
 from molt.payloads import PayloadStore, default_node_id, offload_record
 from molt.wire import connect_dealer, pack, unpack
 
@@ -133,7 +134,8 @@ class RolloutService:
                                   partial_rollout=self.cfg.rollout.partial_rollout)
         # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.
         outcome["loop_lag_max_seconds"] = max(outcome.get("loop_lag_max_seconds", 0.0), self.lag.take_max())
-        outcome["rank"], outcome["payload_store"] = self.rank, self.payloads.metrics()
+        outcome["rank"] = self.rank
+        outcome["rank_metrics"] = {**self.payloads.metrics(), **process_resources("rollout_rank")}
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:

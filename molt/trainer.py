@@ -18,7 +18,7 @@ from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner
-from molt.metrics import MetricsLogger, StageTimer
+from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.payloads import PayloadClient, default_node_id, reload_record
 from molt.refit import RefitError, RefitSender, RefitSendError, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
@@ -85,6 +85,7 @@ class Trainer:
             self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                                     **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
                                     "refit/failed_attempts": float(self.refit_failures),
+                                    **process_resources("trainer_rank0"),
                                     "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
         self.shutdown()
 
@@ -255,7 +256,7 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
     metrics.update(compute_staleness(rollouts.groups, rollouts.trained_version))
     metrics.update({"rollout/consumed": float(rollouts.consumed_rollouts), **rollouts.accounting})
     metrics["rollout/loop_lag_max_seconds"] = rollouts.loop_lag_max_seconds
-    metrics.update({key: float(value) for key, value in rollouts.payload_metrics.items()})
+    metrics.update({key: float(value) for key, value in rollouts.rank_metrics.items()})
     metrics.update({f"drift/{reason}": float(n) for reason, n in rollouts.ledger.items()})
     metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
     infos: dict[str, list[float]] = {}
