@@ -212,12 +212,14 @@ class AgentWorkerPool:
 
     async def _receive(self) -> None:
         while True:
-            identity, frame = await self.socket.recv_multipart()
-            worker = self._by_identity.get(identity.decode())
+            identity, *frames = await self.socket.recv_multipart()
+            worker = self._by_identity.get(identity.decode(errors="replace"))
             if worker is None or not worker.alive:
-                continue  # a late message of a worker that has exited
+                continue  # a late message of a worker that has exited, or a stranger's: never decoded
             try:
-                self._handle(worker, unpack(frame))
+                if len(frames) != 1:
+                    raise ValueError(f"expected one frame, got {len(frames)}")
+                self._handle(worker, unpack(frames[0]))
             except Exception:  # a bug of ours; the pool keeps serving the others
                 logger.exception("rollout rank %d: bad message from %s", self.rank, worker.name)
 

@@ -117,6 +117,40 @@ def test_chat_agents_open_their_sessions_on_the_rank_endpoint(engine, endpoint, 
     assert set(endpoint.endpoint.sessions) == before  # each closed, its segments handed over
 
 
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_crafted_pickles_sent_to_the_worker_socket_never_run(engine, endpoint, tiny_model_dir, faults_dir, tmp_path):
+    """The rank's worker socket decodes msgpack from its own workers only: frames from a stranger
+    (here crafted pickles) are dropped undecoded and the pool keeps serving."""
+    import pickle
+
+    import zmq
+
+    marker = tmp_path / "pickle-ran"
+    pool = _start_pool(engine, endpoint, tiny_model_dir, FAULTS_AGENT, num_workers=1)
+    context = zmq.Context()
+    stranger = context.socket(zmq.DEALER)
+    try:
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(pool.address)
+        evil = pickle.dumps(_Exploit(marker))
+        for frames in ([evil], [pickle.dumps({"type": "outcome", "rollout_id": _Exploit(marker)})], [b"", evil]):
+            stranger.send_multipart(frames)
+        outcomes = _run_all(engine, pool, [_request(100 + i, group_id=7, sample_index=i) for i in range(2)])
+    finally:
+        stranger.close(0)
+        context.term()
+        engine.run(pool.close())
+    assert not marker.exists()
+    assert [o["failure"] for o in outcomes] == ["", ""], outcomes
+
+
 def test_a_killed_worker_fails_its_rollouts_and_a_restarted_one_serves_the_next(
         engine, endpoint, tiny_model_dir, faults_dir, caplog):
     pool = _start_pool(engine, endpoint, tiny_model_dir, FAULTS_AGENT, num_workers=2)
