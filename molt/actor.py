@@ -49,13 +49,20 @@ def build_actor_model(
     mp_policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    shard_causal_lm(model, mesh=mesh, mp_policy=mp_policy)
     if model.config.tie_word_embeddings and model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("sharding untied the input and output embeddings of a tied model")
     return model
+
+
+def shard_causal_lm(model: nn.Module, *, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """Apply FSDP2 in place: one unit per decoder block (`model.model.layers`), then the root unit
+    (embeddings, final norm, LM head). `molt.dry_run` shards a meta-device copy the same way."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def _next_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -33,6 +33,9 @@ class ModelConfig:
     """Hugging Face model directory used by the trainer and the engines."""
     dtype: str = "float32"
     """Parameter dtype on trainer and engines: float32 | bfloat16 | float16."""
+    config_path: str = ""
+    """--dry-run only: a Hugging Face config.json (or its directory) describing model.path's
+    architecture, read when model.path has no config.json on this machine ('' = none); no weights."""
 
 
 @dataclass(kw_only=True)
@@ -43,6 +46,12 @@ class LayoutConfig:
     """Ranks T..T+R-1; T + R must equal the torchrun world size."""
     engine_tensor_parallel_size: int = 1
     """Devices per engine (GPU only; 1 on CPU)."""
+    gpus_per_node: int = 8
+    """GPUs per node: --dry-run places the ranks in order on nodes of this size (a trainer rank on
+    one GPU, a rollout rank on its engine's engine_tensor_parallel_size GPUs, all on one node)."""
+    gpu_memory_gigabytes: float = 0.0
+    """Memory of one GPU in GiB, for --dry-run's check that each trainer rank's shards and each
+    engine's weights fit (0 = skip the check)."""
 
 
 @dataclass(kw_only=True)
@@ -201,6 +210,18 @@ class RefitConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go, one step_<N> directory each ('' = <output_dir>/checkpoints)."""
+    interval_steps: int = 0
+    """Write a checkpoint every N steps (0 = never)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are removed after a newer one is complete."""
+    resume: str = ""
+    """'' = start fresh | 'auto' = the newest complete checkpoint in dir, if any | a step_<N> directory."""
+
+
+@dataclass(kw_only=True)
 class PayloadConfig:
     budget_megabytes: float = 1024.0
     """Shared memory one rollout rank's payload store may hold (experiences' token-axis tensors
@@ -241,11 +262,16 @@ class MoltConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     payloads: PayloadConfig = field(default_factory=PayloadConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def world_size(self) -> int:
         return self.layout.num_trainer_ranks + self.layout.num_rollout_ranks
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.output_dir, "checkpoints")
 
     @property
     def output_dir(self) -> str:
@@ -346,8 +372,11 @@ def _type_name(hint) -> str:
 # Validation
 
 
-def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
-    """Cross-section checks done once at start-up; raises ConfigError naming the field."""
+def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_files: bool = True) -> None:
+    """Cross-section checks done once at start-up; raises ConfigError naming the field.
+
+    `require_files=False` (--dry-run) skips the existence checks of model.path, data.train_path and
+    agent.path, which need only be there at run time."""
     errors = []
 
     def check(ok: bool, message: str) -> None:
@@ -357,20 +386,31 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
     layout, rollout, train, algo = cfg.layout, cfg.rollout, cfg.train, cfg.algorithm
     check(layout.num_trainer_ranks >= 1, f"layout.num_trainer_ranks={layout.num_trainer_ranks}: need at least 1")
     check(layout.num_rollout_ranks >= 1, f"layout.num_rollout_ranks={layout.num_rollout_ranks}: need at least 1")
+    tensor_parallel, gpus_per_node = layout.engine_tensor_parallel_size, layout.gpus_per_node
+    check(tensor_parallel >= 1, f"layout.engine_tensor_parallel_size={tensor_parallel}: need at least 1")
+    check(gpus_per_node >= 1, f"layout.gpus_per_node={gpus_per_node}: need at least 1")
+    check(tensor_parallel < 1 or gpus_per_node < 1 or gpus_per_node % tensor_parallel == 0,
+          f"layout.engine_tensor_parallel_size={tensor_parallel} does not divide layout.gpus_per_node="
+          f"{gpus_per_node}: an engine's GPUs must share one node; use one of "
+          f"{[size for size in range(1, gpus_per_node + 1) if gpus_per_node % size == 0]}")
+    check(cfg.device != "cpu" or tensor_parallel == 1,
+          f"layout.engine_tensor_parallel_size={tensor_parallel} with device='cpu': CPU engines take 1")
+    check(layout.gpu_memory_gigabytes >= 0,
+          f"layout.gpu_memory_gigabytes={layout.gpu_memory_gigabytes}: must be >= 0 (0 skips the check)")
     if world_size is not None:
         check(cfg.world_size == world_size,
               f"layout.num_trainer_ranks + layout.num_rollout_ranks = {layout.num_trainer_ranks} + "
               f"{layout.num_rollout_ranks} = {cfg.world_size}, but the job has {world_size} ranks; "
               f"set the split to add up to {world_size} or launch with --nproc_per_node={cfg.world_size}")
     check(bool(cfg.model.path), "model.path is empty: set it to a Hugging Face model directory")
-    check(not cfg.model.path or Path(cfg.model.path, "config.json").is_file(),
+    check(not require_files or not cfg.model.path or Path(cfg.model.path, "config.json").is_file(),
           f"model.path={cfg.model.path!r} has no config.json: point it at a Hugging Face model directory")
     check(cfg.model.dtype in ("float32", "bfloat16", "float16"),
           f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
     check(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r}: use auto, cpu or cuda")
-    check(bool(cfg.data.train_path) and Path(cfg.data.train_path).is_file(),
+    check(bool(cfg.data.train_path) and (not require_files or Path(cfg.data.train_path).is_file()),
           f"data.train_path={cfg.data.train_path!r} is not a file: point it at a .jsonl or .parquet prompt set")
-    check(bool(cfg.agent.path) and Path(cfg.agent.path).is_file(),
+    check(bool(cfg.agent.path) and (not require_files or Path(cfg.agent.path).is_file()),
           f"agent.path={cfg.agent.path!r} is not a file: point it at a Python file defining AgentRunner")
     check(cfg.agent.max_turns >= 1, f"agent.max_turns={cfg.agent.max_turns}: need at least 1")
     check(cfg.agent.on_failed_rollout in ("drop_group", "refill"),
@@ -440,6 +480,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None) -> None:
           f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")
     check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
     check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
+    check(cfg.checkpoint.interval_steps >= 0, f"checkpoint.interval_steps={cfg.checkpoint.interval_steps}: must be >= 0 (0 = never)")
+    check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
+    check(cfg.checkpoint.resume in ("", "auto") or os.path.isdir(cfg.checkpoint.resume),
+          f"checkpoint.resume={cfg.checkpoint.resume!r}: '' | 'auto' | an existing step_<N> checkpoint directory")
     check(cfg.payloads.budget_megabytes >= 0, f"payloads.budget_megabytes={cfg.payloads.budget_megabytes}: must be >= 0 (0 spills every payload)")
     check(cfg.payloads.fetch_timeout_seconds > 0, f"payloads.fetch_timeout_seconds={cfg.payloads.fetch_timeout_seconds}: must be > 0")
     check(not cfg.payloads.node_id or bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.payloads.node_id)),

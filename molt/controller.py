@@ -26,7 +26,7 @@ Accounting, in rollouts, checked every step: dispatched = consumed + dropped (by
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
 import time
 from collections import Counter, defaultdict, deque
@@ -76,6 +76,8 @@ class StepRollouts:
     dropped_rollouts: Counter = field(default_factory=Counter)  # rollouts not trained on, by DROP_REASONS
     trained_version: int = 0  # the policy version this step's update starts from
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
+    trained_prompts: list[int] = field(default_factory=list)  # prompt-file index of each group in `groups`
+    dropped_prompts: list[int] = field(default_factory=list)  # ... of each group released but dropped
     rank_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' payload-store and process metrics, summed
 
     def merge(self, later: StepRollouts) -> None:
@@ -92,6 +94,8 @@ class StepRollouts:
         self.stale_groups += later.stale_groups
         self.consumed_rollouts += later.consumed_rollouts
         self.dropped_rollouts.update(later.dropped_rollouts)
+        self.trained_prompts += later.trained_prompts
+        self.dropped_prompts += later.dropped_prompts
 
 
 @dataclass
@@ -101,6 +105,7 @@ class GroupInFlight:
     group_id: int
     size: int  # rollout.n_samples_per_prompt
     dispatch_version: int  # policy version when it was dispatched (its refills may be newer)
+    row: PromptRow  # its prompt
     pending: set[int] = field(default_factory=set)  # rollout ids dispatched and not back yet
     outcomes: list[RolloutOutcome] = field(default_factory=list)  # back, in arrival order
     num_refills: int = 0
@@ -143,9 +148,8 @@ class RolloutController:
         # loader's own state is ahead of the dispatched rows by exactly these.
         self._pending_rows: list[PromptRow] = []
         self.epoch = 0
-        self._rollout_ids = itertools.count()
-        self._group_ids = itertools.count()
-        self._next_rank = itertools.cycle(rollout_ranks)
+        self._next_rollout_id = 0
+        self._next_group_id = 0
         self._backlog: list[tuple[str, dict]] = []
         self._queue: deque[GroupInFlight] = deque()  # dispatched groups not yet released, in dispatch order
         self._requests: dict[int, tuple[GroupInFlight, dict]] = {}  # rollout id -> its group and request, until back
@@ -200,6 +204,30 @@ class RolloutController:
         """Every other trainer rank says hello (so the router can address it), every engine says ready."""
         self.expect("hello", num_trainer_ranks - 1, 120, "trainer ranks connecting")
         self.expect("ready", len(self.rollout_ranks), self.cfg.rollout.engine_start_timeout_seconds, "engine start")
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the controller (JSON-friendly): its prompt stream, the prompts
+        of every group not yet released ahead of the rows no step has dispatched (a resumed run
+        dispatches them first: their rollouts die with the job), id counters and run totals, the
+        rollouts in flight counted as never dispatched."""
+        unreleased = [group.row for group in self._queue]
+        return {"loader": self.loader.state_dict(), "epoch": self.epoch,
+                "pending_rows": [dataclasses.asdict(row) for row in unreleased + self._pending_rows],
+                "next_rollout_id": self._next_rollout_id, "next_group_id": self._next_group_id,
+                "accounting": {"dispatched": self.accounting.dispatched - self.num_in_flight,
+                               "consumed": self.accounting.consumed, "dropped": dict(self.accounting.dropped)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self._prompts = iter(self.loader)
+        self.epoch = state["epoch"]
+        self._pending_rows = [PromptRow(**row) for row in state["pending_rows"]]
+        self._next_rollout_id, self._next_group_id = state["next_rollout_id"], state["next_group_id"]
+        totals = state["accounting"]
+        self.accounting = Accounting(dispatched=totals["dispatched"], consumed=totals["consumed"],
+                                     dropped=Counter(totals["dropped"]))
 
     # -- prompts and rollouts --------------------------------------------------------------
 
@@ -274,8 +302,9 @@ class RolloutController:
         """Dispatch each row as a group of rollout.n_samples_per_prompt single rollouts."""
         cfg = self.cfg
         for row in rows:
-            group = GroupInFlight(group_id=next(self._group_ids), size=cfg.rollout.n_samples_per_prompt,
-                                  dispatch_version=policy_version)
+            group = GroupInFlight(group_id=self._next_group_id, size=cfg.rollout.n_samples_per_prompt,
+                                  dispatch_version=policy_version, row=row)
+            self._next_group_id += 1
             self._queue.append(group)
             for sample_index in range(group.size):
                 self.dispatch(group, {
@@ -289,11 +318,13 @@ class RolloutController:
 
     def dispatch(self, group: GroupInFlight, request: dict) -> int:
         """Send one rollout request, under a fresh rollout_id, to the next rollout rank."""
-        request = {**request, "rollout_id": next(self._rollout_ids)}
+        request = {**request, "rollout_id": self._next_rollout_id}
+        self._next_rollout_id += 1
         self._requests[request["rollout_id"]] = (group, request)
         group.pending.add(request["rollout_id"])
         self.accounting.dispatched += 1
-        self.router.send(f"rollout-{next(self._next_rank)}", {"type": "rollout", "request": request})
+        rank = self.rollout_ranks[request["rollout_id"] % len(self.rollout_ranks)]  # round robin, resumable
+        self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request})
         return request["rollout_id"]
 
     def receive_outcome(self, policy_version: int) -> None:
@@ -343,6 +374,9 @@ class RolloutController:
                 part.dropped_rollouts["filtered"] = num_good
         if part.groups:
             part.consumed_rollouts = num_good
+            part.trained_prompts = [group.row.index]
+        else:
+            part.dropped_prompts = [group.row.index]
         kept = {id(e) for g in part.groups for e in g}
         for experience in (e for outcome in group.outcomes for e in outcome.experiences):
             if id(experience) not in kept and experience.payload is not None:

@@ -7,6 +7,8 @@ or Parquet and validated once, up front, so a bad row fails at start-up with its
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import random
@@ -31,6 +33,7 @@ class PromptRow:
     tools: list[dict] | None = None  # OpenAI-style tool schemas offered to the model
     images: list[str] | None = None  # image paths, URLs or data URIs
     metadata: dict | None = None  # free-form, passed through to the agent and logs
+    index: int = -1  # position in the prompt file (the run's record of which prompts it trained on)
 
 
 def parse_prompt_row(record: object, where: str) -> PromptRow:
@@ -145,7 +148,7 @@ class PromptDataset(Dataset):
     """Map-style dataset over validated prompt rows."""
 
     def __init__(self, rows: list[PromptRow]):
-        self.rows = rows
+        self.rows = [dataclasses.replace(row, index=index) for index, row in enumerate(rows)]
 
     def __len__(self) -> int:
         return len(self.rows)

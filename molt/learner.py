@@ -72,6 +72,15 @@ class Learner:
                           kl_coef=self.kl_coef if algo.kl_placement == "loss" else 0.0,
                           kl_estimator=algo.kl_estimator)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps beyond the models: the (adaptive) KL coefficient."""
+        return {"kl_coef": self.kl_coef}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_coef = state["kl_coef"]
+        if self.kl_controller is not None:
+            self.kl_controller.coef = self.kl_coef
+
     def train_step(self, micro_batches: list[MicroBatch], info: BatchInfo) -> dict[str, float]:
         """Fill in the objective's inputs, update the actor (and critic); metrics for the step."""
         micro_batches = [micro_batch.to(self.device) for micro_batch in micro_batches]

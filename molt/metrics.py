@@ -54,6 +54,7 @@ class MetricsLogger:
         wandb_project: str = "molt",
         total_steps: int,
         enabled: bool = True,
+        wandb_run_id: str | None = None,
     ) -> None:
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb_mode={wandb_mode!r} is not one of {WANDB_MODES}; pick one of those")
@@ -61,6 +62,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.nonfinite_counts: dict[str, int] = {}  # metric key -> steps where it was NaN/inf
         self._file = None
+        self._prompts_file = None
         self._wandb_run = None
         if not enabled:
             return
@@ -69,8 +71,22 @@ class MetricsLogger:
         (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
         # Append, so a resumed run continues the same file (repeated steps: the last one wins).
         self._file = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        self._prompts_file = open(out / "prompts.jsonl", "a", encoding="utf-8")
         if wandb_mode != "disabled":
-            self._wandb_run = _start_wandb(out, run_name, wandb_project, wandb_mode, config)
+            self._wandb_run = _start_wandb(out, run_name, wandb_project, wandb_mode, config, wandb_run_id)
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run's id (None without W&B): checkpoints keep it, so a resume continues that run."""
+        return self._wandb_run.id if self._wandb_run is not None else None
+
+    def log_prompts(self, step: int, trained: list[int], dropped: list[int]) -> None:
+        """Which prompts (by prompt-file index) a step trained on and which it dropped, to
+        `output_dir/prompts.jsonl`: the record that a resumed run lost and repeated none."""
+        if not self.enabled:
+            return
+        self._prompts_file.write(json.dumps({"step": step, "trained": trained, "dropped": dropped}) + "\n")
+        self._prompts_file.flush()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step; each JSONL line is flushed, so a killed run keeps every finished step."""
@@ -105,6 +121,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._prompts_file is not None:
+            self._prompts_file.close()
+            self._prompts_file = None
 
     def _count_nonfinite(self, key: str, value: float, step: int) -> None:
         if key not in self.nonfinite_counts:
@@ -119,7 +138,7 @@ class MetricsLogger:
         return " | ".join(parts)
 
 
-def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, config: dict):
+def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, config: dict, run_id: str | None):
     # Imported here: W&B is slow to import and starts a helper process, unneeded when disabled.
     import wandb
 
@@ -130,6 +149,8 @@ def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, confi
         config=config,
         mode=mode,
         dir=output_dir,  # run files go to output_dir/wandb, never the working directory
+        id=run_id,  # a resumed run continues the checkpoint's W&B run
+        resume="allow" if run_id else None,
         settings=wandb.Settings(silent=True),
     )
     run_dir = Path(run.dir).parent  # run.dir is its files/ subfolder

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -27,13 +28,76 @@ CONTROLLER_KEY = "molt/controller_address"
 
 
 def map_slurm_environment(environ: dict) -> None:
-    """Under srun (no torchrun), derive RANK/WORLD_SIZE/LOCAL_RANK from Slurm's variables."""
+    """Under a plain `srun` (one task per rank, no torchrun), set torchrun's variables from Slurm's.
+
+    RANK <- SLURM_PROCID, WORLD_SIZE <- SLURM_NTASKS, LOCAL_RANK <- SLURM_LOCALID, LOCAL_WORLD_SIZE
+    <- this node's entry of SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE), MASTER_ADDR <- the
+    first host of the step's node list (where srun puts task 0), MASTER_PORT <- 20000 + SLURM_JOB_ID
+    % 10000. A variable already set (by torchrun, or exported by the launch script) is kept; under
+    torchrun (RANK set) nothing changes.
+    """
     if "RANK" in environ or "SLURM_PROCID" not in environ:
         return
     environ.setdefault("RANK", environ["SLURM_PROCID"])
     environ.setdefault("WORLD_SIZE", environ["SLURM_NTASKS"])
     environ.setdefault("LOCAL_RANK", environ.get("SLURM_LOCALID", "0"))
-    environ.setdefault("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS"]).split("(")[0])
+    tasks_per_node = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+                      or environ.get("SLURM_NTASKS_PER_NODE") or environ["SLURM_NTASKS"])
+    counts = expand_tasks_per_node(tasks_per_node)  # one entry (SLURM_NTASKS_PER_NODE) counts for every node
+    environ.setdefault("LOCAL_WORLD_SIZE", str(counts[min(int(environ.get("SLURM_NODEID", "0")), len(counts) - 1)]))
+    nodelist = next((environ[name] for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                     if environ.get(name)), None)
+    if nodelist is not None:
+        environ.setdefault("MASTER_ADDR", expand_hostlist(nodelist)[0])
+    if "SLURM_JOB_ID" in environ:
+        # Below Linux's ephemeral range (32768+), so the port is not a client socket's by chance.
+        environ.setdefault("MASTER_PORT", str(20000 + int(environ["SLURM_JOB_ID"]) % 10000))
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's tasks-per-node form, one count per node: `8(x2),4` -> [8, 8, 4]."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"cannot read Slurm tasks per node {spec!r} (expected e.g. '8(x2),4')")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compact host list, in order, as `scontrol show hostnames` gives it.
+
+    `node[01-03,07],gpu5` -> node01 node02 node03 node07 gpu5; zero padding follows the range's
+    lower bound; several bracket groups in one name multiply (`r[1-2]n[1-2]` -> r1n1 r1n2 r2n1 r2n2).
+    """
+    names, depth, start = [], 0, 0
+    for index, char in enumerate(hostlist + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"cannot read Slurm host list {hostlist!r}: unbalanced brackets")
+        if char == "," and depth == 0:
+            if hostlist[start:index].strip():
+                names += _expand_host(hostlist[start:index].strip(), hostlist)
+            start = index + 1
+    if depth != 0 or not names:
+        raise ValueError(f"cannot read Slurm host list {hostlist!r}: expected e.g. 'node[01-02],gpu5'")
+    return names
+
+
+def _expand_host(pattern: str, hostlist: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if match is None:
+        return [pattern]
+    items = []
+    for part in match[1].split(","):
+        bounds = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if bounds is None:
+            raise ValueError(f"cannot read Slurm host list {hostlist!r}: bad range {part!r}")
+        low, high = bounds[1], bounds[2] or bounds[1]
+        items += [str(number).zfill(len(low)) for number in range(int(low), int(high) + 1)]
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    return [head + item + rest for item in items for rest in _expand_host(tail, hostlist)]
 
 
 def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:
@@ -51,10 +115,20 @@ def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:
 
 
 def job_host(environ: dict) -> str:
-    """Address other ranks reach this one on: loopback when the whole job is on one node."""
+    """Address other ranks reach this one on: loopback when the whole job is on one node.
+
+    Otherwise the host name's address; where that is a loopback one (a common /etc/hosts entry,
+    useless to other nodes), the address of the interface that routes to MASTER_ADDR.
+    """
     if environ.get("LOCAL_WORLD_SIZE") == environ.get("WORLD_SIZE"):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    address = socket.gethostbyname(socket.gethostname())
+    if not address.startswith("127.") or not environ.get("MASTER_ADDR"):
+        return address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        # Connecting a UDP socket only picks the route and source address; nothing is sent.
+        probe.connect((socket.gethostbyname(environ["MASTER_ADDR"]), int(environ.get("MASTER_PORT", "29500"))))
+        return probe.getsockname()[0]
 
 
 def describe_layout(cfg: MoltConfig) -> str:
@@ -70,6 +144,20 @@ def describe_layout(cfg: MoltConfig) -> str:
     return "\n".join(lines)
 
 
+def dry_run(cfg: MoltConfig) -> int:
+    """Print the dry run's report (molt.dry_run) as it goes; 2 after the first problem."""
+    from molt.dry_run import dry_run_report
+
+    try:
+        for line in dry_run_report(cfg):
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+    except ConfigError as error:
+        logger.error("%s", error)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser("Train an agent with RL (run under torchrun).").parse_args(argv)
     map_slurm_environment(os.environ)
@@ -79,18 +167,34 @@ def main(argv: list[str] | None = None) -> int:
     launched = "MASTER_ADDR" in os.environ
     try:
         cfg = load_config(args.config, args.set)
-        validate_config(cfg, world_size=world_size if launched and not args.dry_run else None)
+        if not args.dry_run:  # the dry run validates without the files and the job's world size
+            validate_config(cfg, world_size=world_size if launched else None)
     except ConfigError as error:
         logger.error("%s", error)
         return 2
     if args.dry_run:
-        sys.stdout.write(describe_layout(cfg) + "\n")
-        return 0
+        return dry_run(cfg)
     if not launched:
         logger.error("molt.train must run under torchrun (or srun); e.g. "
                      "torchrun --nproc_per_node=%d -m molt.train --config %s", cfg.world_size, args.config)
         return 2
     return run(cfg, rank, world_size)
+
+
+def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict) -> None:
+    """Make a rollout rank's engine start on its own GPUs (molt.dry_run.place_ranks: trainers take
+    the first GPUs of a node, each engine the next engine_tensor_parallel_size), not on the node's
+    first ones, where vLLM starts by default. Indices go through a CUDA_VISIBLE_DEVICES the launcher
+    set for the whole node. Not checked on a GPU yet (the CUDA build of vLLM is not on the machines
+    Molt is tested on)."""
+    if cfg.device == "cpu":
+        return
+    from molt.dry_run import place_ranks
+
+    gpus = place_ranks(cfg.layout)[rank].gpus
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(cfg.layout.gpus_per_node)]
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[gpu] for gpu in gpus)
 
 
 def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
@@ -104,6 +208,8 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_trainers = cfg.layout.num_trainer_ranks
     is_trainer = rank < num_trainers
+    if not is_trainer:
+        pin_engine_gpus(cfg, rank, os.environ)  # before anything in this process touches CUDA
     device = resolve_device(cfg, local_rank) if is_trainer else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.manual_seed(cfg.seed)
@@ -117,7 +223,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     try:
         if rank == 0:
             logger.info("%s", describe_layout(cfg))
-            remove_stale_metrics(cfg.output_dir)
+            remove_stale_metrics(cfg)
             router = Router(host)
             store.set(CONTROLLER_KEY, router.address)
             Trainer(cfg, rank=rank, group=trainer_group, device=device, host=host, controller_address=router.address,

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.checkpoint import load_checkpoint, read_wandb_run_id, resolve_resume, save_checkpoint
 from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
@@ -59,17 +60,25 @@ class Trainer:
         self.controller = RolloutController(cfg, router, rollout_ranks) if self.is_controller else None
         self.rollout_ranks = rollout_ranks
         self.timer = StageTimer()
-        self.metrics = MetricsLogger(output_dir=cfg.output_dir, run_name=cfg.name, config=cfg.to_dict(),
+        self.resume_path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir)
+        self.metrics = MetricsLogger(wandb_run_id=read_wandb_run_id(self.resume_path),
+                                     output_dir=cfg.output_dir, run_name=cfg.name, config=cfg.to_dict(),
                                      wandb_mode=cfg.metrics.wandb_mode, wandb_project=cfg.metrics.wandb_project,
                                      total_steps=cfg.train.num_steps, enabled=self.is_controller)
         self.policy_version = 0
         self.refit_failures = 0  # failed refit attempts so far (each retried or fatal)
 
     def train(self) -> None:
+        first_step = self.resume() + 1
         self.connect_engines()
-        if self.cfg.refit.check_every_steps:  # engines and trainer start from the same weights
+        pending_check = {}
+        if first_step > 1:  # engines load model.path: they get the checkpoint's weights before any rollout
+            self.push_weights(version=first_step - 1)
+            if self.cfg.refit.check_every_steps:
+                pending_check = self.check_refit()  # logged with the first resumed step
+        elif self.cfg.refit.check_every_steps:  # engines and trainer start from the same weights
             self.metrics.log(0, self.check_refit())
-        for step in range(1, self.cfg.train.num_steps + 1):
+        for step in range(first_step, self.cfg.train.num_steps + 1):
             started = time.perf_counter()
             with self.timer.stage("rollout"):
                 experiences, info, num_micro_batches, rollout_metrics = self.next_batch()
@@ -80,14 +89,44 @@ class Trainer:
                 train_metrics = self.learner.train_step(micro_batches, info)
             with self.timer.stage("refit"):
                 self.push_weights(version=step)
-            check_metrics = self.check_refit() if self.refit_check_due(step) else {}
+            check_metrics = {**pending_check, **(self.check_refit() if self.refit_check_due(step) else {})}
+            pending_check = {}
             step_seconds = time.perf_counter() - started
             self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                                     **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
                                     "refit/failed_attempts": float(self.refit_failures),
                                     **process_resources("trainer_rank0"),
                                     "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
+            interval = self.cfg.checkpoint.interval_steps
+            if interval and step % interval == 0:
+                with self.timer.stage("checkpoint"):  # shows in the next step's metrics
+                    self.save_checkpoint(step)
         self.shutdown()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def trainables(self) -> dict:
+        return {"actor": self.actor, "critic": self.learner.critic}
+
+    def resume(self) -> int:
+        """Load the checkpoint checkpoint.resume names (collective); returns its step, 0 for a fresh start."""
+        if self.resume_path is None:
+            return 0
+        state = load_checkpoint(self.resume_path, trainables=self.trainables(), group=self.group, rank=self.rank)
+        self.learner.load_state_dict(state["learner"])
+        self.policy_version = state["policy_version"]
+        if self.is_controller:
+            self.controller.load_state_dict(state["controller"])
+        logger.info("resumed from %s: step %d, policy version %d", self.resume_path, state["step"], self.policy_version)
+        return state["step"]
+
+    def save_checkpoint(self, step: int) -> None:
+        state = None
+        if self.is_controller:
+            state = {"step": step, "policy_version": self.policy_version, "learner": self.learner.state_dict(),
+                     "controller": self.controller.state_dict(), "wandb_run_id": self.metrics.run_id}
+        save_checkpoint(self.cfg.checkpoint_dir, step, trainables=self.trainables(), group=self.group,
+                        rank=self.rank, state=state, keep_last=self.cfg.checkpoint.keep_last)
 
     # -- start and stop --------------------------------------------------------------------
 
@@ -153,6 +192,7 @@ class Trainer:
             logger.warning("no complete group this step (failures: %s); the step trains on nothing",
                            dict(rollouts.failures))
         own = shares[0]
+        self.metrics.log_prompts(self.policy_version + 1, rollouts.trained_prompts, rollouts.dropped_prompts)
         metrics = {**_rollout_metrics(rollouts, experiences),
                    # What passed through the controller's socket so far: references and control only.
                    "controller/bytes_received_total": float(self.router.bytes_received),
@@ -277,8 +317,9 @@ def _pad_token_id(model) -> int:
     return 0
 
 
-def remove_stale_metrics(output_dir: str) -> None:
-    """A fresh run starts a fresh metrics.jsonl (the logger appends so a resume can continue one)."""
-    path = Path(output_dir, "metrics.jsonl")
-    if path.exists():
-        path.unlink()
+def remove_stale_metrics(cfg: MoltConfig) -> None:
+    """A fresh run starts fresh metrics.jsonl and prompts.jsonl; a resumed one appends to them."""
+    if resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir) is not None:
+        return
+    for name in ("metrics.jsonl", "prompts.jsonl"):
+        Path(cfg.output_dir, name).unlink(missing_ok=True)

@@ -151,3 +151,26 @@ def test_wandb_offline_run_lands_under_output_dir(tmp_path, monkeypatch):
     assert history[2]["reward/mean"] == 0.5
     assert math.isnan(history[2]["loss"])  # W&B keeps the NaN; only the JSONL needs null
     assert len(read_jsonl(output_dir / "metrics.jsonl")) == 2
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
+    """A resumed job passes the checkpoint's run id: its steps land in the same W&B run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    output_dir = tmp_path / "run"
+    first = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test")
+    run_id = first.run_id
+    first.log(1, {"reward/mean": 0.25})
+    first.close()
+    time.sleep(1.1)  # an offline run's directory is named by the second it started in
+    resumed = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test", wandb_run_id=run_id)
+    assert resumed.run_id == run_id
+    resumed.log(2, {"reward/mean": 0.5})
+    resumed.close()
+    files = sorted(output_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 2  # one per job, both of the one run (wandb sync uploads them into it)
+    steps = [record.history.step.num for path in files for record in read_wandb_records(path)
+             if record.WhichOneof("record_type") == "history"]
+    assert steps == [1, 2]
+    assert [row["step"] for row in read_jsonl(output_dir / "metrics.jsonl")] == [1, 2]

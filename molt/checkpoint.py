@@ -1,0 +1,167 @@
+"""Whole-pipeline checkpoints (DESIGN section 9): kill the job at any moment, resume it, and no
+prompt is lost or trained twice.
+
+A checkpoint is a directory `step_<N>` holding
+- `model/`: the actor's (and the critic's, when there is one) FSDP2 weights and AdamW states,
+  written by every trainer rank through torch.distributed.checkpoint;
+- `state.json` (rank 0): step and policy version, the adaptive KL coefficient, the controller's
+  prompt stream (the loader's state, rows it handed out that no step dispatched, and the prompts of
+  every group in flight, re-dispatched first on resume), its id counters and accounting totals,
+  the W&B run id, and rank 0's Python RNG state;
+- `rng_rank<R>.json`: each trainer rank's torch RNG state;
+- `COMPLETE`: the marker, written last.
+
+It is written aside (`.step_<N>.partial`), renamed into place, and only then marked complete; a
+checkpoint without the marker is never loaded, and older checkpoints are removed only after the
+new one is complete, so a writer killed at any point leaves the previous checkpoint loadable.
+The frozen reference model is not saved: it is rebuilt from model.path, as at the start.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+logger = logging.getLogger("molt")
+
+COMPLETE = "COMPLETE"
+STEP_PATTERN = re.compile(r"step_(\d{8})")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_PATTERN.fullmatch(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def resolve_resume(resume: str, root: str | Path) -> Path | None:
+    """The checkpoint to resume from: None for a fresh start ('' or 'auto' with none complete)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker)")
+    return path
+
+
+def read_wandb_run_id(path: Path | None) -> str | None:
+    """The W&B run id a checkpoint was written under, so a resumed run logs into the same run."""
+    if path is None:
+        return None
+    return json.loads((path / "state.json").read_text()).get("wandb_run_id")
+
+
+def _models(trainables: dict) -> dict:
+    """{name: (model, optimizer)} of what is saved: the actor, and the critic when present."""
+    return {name: (t.model, t.optimizer) for name, t in trainables.items() if t is not None}
+
+
+def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dist.ProcessGroup, rank: int,
+                    state: dict | None, keep_last: int) -> Path:
+    """Collective over the trainer ranks; `state` (rank 0's pipeline state) is None elsewhere."""
+    final = step_dir(root, step)
+    partial = final.with_name(f".{final.name}.partial")
+    if rank == 0:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a writer killed earlier
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one of this step (no marker)
+    dist.barrier(group=group)
+    model_state = {}
+    for name, (model, optimizer) in _models(trainables).items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_state[name] = {"model": model_sd, "optimizer": optim_sd}
+    dcp.save(model_state, checkpoint_id=str(partial / "model"), process_group=group)
+    _write_json(partial / f"rng_rank{rank}.json", {"torch": _encode(torch.get_rng_state()),
+                                                   "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()]
+                                                   if torch.cuda.is_available() else []})
+    if rank == 0:
+        _write_json(partial / "state.json", {**state, "python_random": _encode_random(random.getstate())})
+    dist.barrier(group=group)
+    if rank == 0:
+        os.rename(partial, final)
+        _write_json(final / COMPLETE, {"step": step})
+        _fsync_dir(final.parent)
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stray in Path(root).iterdir():  # a step_<N> a killed writer renamed but never marked
+            if STEP_PATTERN.fullmatch(stray.name) and stray.name < final.name and not (stray / COMPLETE).exists():
+                shutil.rmtree(stray, ignore_errors=True)
+        logger.info("checkpoint %s written", final)
+    dist.barrier(group=group)
+    return final
+
+
+def load_checkpoint(path: Path, *, trainables: dict, group: dist.ProcessGroup, rank: int) -> dict:
+    """Load weights, optimizer states and RNG states in place (collective); returns state.json."""
+    model_state = {}
+    for name, (model, optimizer) in _models(trainables).items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_state[name] = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(model_state, checkpoint_id=str(path / "model"), process_group=group)
+    for name, (model, optimizer) in _models(trainables).items():
+        set_state_dict(model, optimizer, model_state_dict=model_state[name]["model"],
+                       optim_state_dict=model_state[name]["optimizer"])
+    rng_file = path / f"rng_rank{rank}.json"
+    if rng_file.is_file():
+        rng = json.loads(rng_file.read_text())
+        torch.set_rng_state(_decode(rng["torch"]))
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([_decode(s) for s in rng["cuda"]])
+    state = json.loads((path / "state.json").read_text())
+    random.setstate(_decode_random(state.pop("python_random")))
+    return state
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(data, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _encode(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _encode_random(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _decode_random(state: list) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(internal), gauss

@@ -1,0 +1,290 @@
+"""`--dry-run`: check a recipe at its real world size in one CPU process; nothing starts.
+
+It validates the config, places every rank on a node and its GPUs, builds the trainer mesh over a
+fake process group of the job's world size (rank 0's view), builds the model from its Hugging Face
+config on the meta device (no weights), shards it with the trainer's FSDP2 units and reads rank 0's
+shards from the DTensors, then prints bytes per trainer rank and per engine GPU. Every problem is a
+ConfigError naming the field, raised after the lines that led to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from molt.config import ConfigError, LayoutConfig, MoltConfig, validate_config
+
+GIB = 2**30
+ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.")  # routed experts; a shared expert is dense compute
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs."""
+
+    rank: int
+    is_trainer: bool
+    node: int
+    local_rank: int  # this process's index among its node's processes
+    gpus: tuple[int, ...]  # GPU indices on its node: one for a trainer, the engine's for a rollout rank
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Parameter counts of the model and of rank 0's FSDP2 shards."""
+
+    architecture: str
+    num_params: int
+    num_routed_expert_params: int
+    num_active_params: int | None  # per token, when the config names its experts and top-k
+    num_head_params: int  # untied LM head (the critic has none); 0 when tied
+    num_blocks: int
+    largest_unit: tuple[str, int]  # (FSDP unit, unsharded parameters)
+    rank0_shard_params: int  # parameters rank 0 holds after fully_shard, read from the DTensors
+    mesh: str
+
+
+def place_ranks(layout: LayoutConfig) -> list[Placement]:
+    """Ranks in order fill nodes of `layout.gpus_per_node` GPUs: a trainer rank takes one GPU, a
+    rollout rank its engine's `engine_tensor_parallel_size` GPUs (vLLM's own workers use them), on
+    one node. Trainers come first, so a trainer's GPU is its local rank (what `resolve_device` uses)."""
+    gpus_per_node, tensor_parallel = layout.gpus_per_node, layout.engine_tensor_parallel_size
+    placements, next_gpu, num_processes = [], 0, {}
+    for rank in range(layout.num_trainer_ranks + layout.num_rollout_ranks):
+        is_trainer = rank < layout.num_trainer_ranks
+        width = 1 if is_trainer else tensor_parallel
+        node, first = divmod(next_gpu, gpus_per_node)
+        if first + width > gpus_per_node:
+            raise ConfigError(
+                f"rank {rank}'s engine would take GPUs {first}-{first + width - 1} of node {node}, which has "
+                f"{gpus_per_node} (layout.gpus_per_node): an engine's GPUs must share one node; make "
+                f"layout.num_trainer_ranks={layout.num_trainer_ranks} a multiple of "
+                f"layout.engine_tensor_parallel_size={tensor_parallel}")
+        local_rank = num_processes.get(node, 0)
+        num_processes[node] = local_rank + 1
+        placements.append(Placement(rank=rank, is_trainer=is_trainer, node=node, local_rank=local_rank,
+                                    gpus=tuple(range(first, first + width))))
+        next_gpu += width
+    return placements
+
+
+def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterator[str]:
+    layout, on_gpu = cfg.layout, cfg.device != "cpu"
+    nodes: dict[int, list[Placement]] = {}
+    for placement in placements:
+        nodes.setdefault(placement.node, []).append(placement)
+    num_gpus = sum(len(placement.gpus) for placement in placements)
+    yield (f"layout: {cfg.world_size} ranks = {layout.num_trainer_ranks} trainer + {layout.num_rollout_ranks} "
+           f"rollout" + (f"; {num_gpus} GPUs on {len(nodes)} node(s) of {layout.gpus_per_node} "
+                         f"(layout.gpus_per_node)" if on_gpu else "; device=cpu: one machine, no GPUs"))
+    if on_gpu:
+        for node, members in nodes.items():
+            used = sorted({gpu for member in members for gpu in member.gpus})
+            yield (f"  node {node}: {len(members)} process(es), ranks {_span([m.rank for m in members])}, "
+                   f"GPUs {_span(used)}")
+    yield "ranks:"
+    for placement in placements:
+        where = (f"node {placement.node}, local rank {placement.local_rank}, "
+                 f"GPU{'s' if len(placement.gpus) > 1 else ''} {_span(list(placement.gpus))}: ") if on_gpu else ""
+        if placement.is_trainer:
+            role = f"trainer (FSDP2 dp shard {placement.rank}/{layout.num_trainer_ranks})"
+            role += " + rollout controller + refit sender" if placement.rank == 0 else ""
+        else:
+            role = (f"rollout: vLLM engine (tensor parallel {layout.engine_tensor_parallel_size}) + "
+                    f"{cfg.rollout.num_agent_workers} agent worker process(es)")
+        yield f"  rank {placement.rank}: {where}{role}"
+    if not on_gpu:
+        return
+    nodes_by_count: dict[int, list[int]] = {}
+    for node, members in nodes.items():
+        nodes_by_count.setdefault(len(members), []).append(node)
+    if len(nodes_by_count) == 1:
+        yield (f"launch: torchrun --nnodes {len(nodes)} --nproc_per_node {len(placements) // len(nodes)} "
+               f"-m molt.train --config ...")
+    else:
+        counts = ", ".join(f"{count} on nodes {_span(members)}" for count, members in nodes_by_count.items())
+        yield (f"note: nodes run different numbers of processes ({counts}; a rollout rank is one process, its "
+               f"engine's workers take its GPUs): torchrun's --nproc_per_node and launch/ scripts start the same "
+               f"number on every node, so this needs per-node task counts (e.g. srun --distribution=arbitrary), "
+               f"which Molt has not been run with")
+    yield ("note: each rollout rank pins its engine to the GPUs above with CUDA_VISIBLE_DEVICES "
+           "(molt.train.pin_engine_gpus); that path has not run on GPUs yet")
+
+
+def _span(values: list[int]) -> str:
+    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(str(value) for value in values)
+
+
+def resolve_architecture(cfg: MoltConfig) -> tuple[str, str]:
+    """(config.json source, which field named it): model.path's if it has one here, else model.config_path."""
+    if cfg.model.path and Path(cfg.model.path, "config.json").is_file():
+        return cfg.model.path, "model.path"
+    if not cfg.model.config_path:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} has no config.json on this machine and model.config_path is empty: "
+            f"--dry-run needs the architecture; set model.config_path to a Hugging Face config.json or its "
+            f"directory (e.g. configs/hf/qwen3-30b-a3b)")
+    source = Path(cfg.model.config_path)
+    if not (source.is_file() or Path(source, "config.json").is_file()):
+        raise ConfigError(f"model.config_path={cfg.model.config_path!r} is neither a config.json nor a directory "
+                          f"holding one")
+    return str(source), "model.config_path"
+
+
+def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootprint:
+    """Build the model on the meta device and shard it like the trainer over a fake process group of
+    the job's world size, as rank 0; only shapes exist, so a 1T model costs no memory."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    # Registers the "fake" backend: collectives return at once, so one process can play rank 0 of any size.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from molt.actor import shard_causal_lm
+
+    transformers.logging.set_verbosity_error()
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(source)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
+    except (ValueError, KeyError, OSError) as error:
+        raise ConfigError(f"{source_field}={source!r}: cannot build a causal LM from its config.json: "
+                          f"{type(error).__name__}: {error}") from error
+    architecture = type(model).__name__  # fully_shard renames the class (FSDP<name>)
+    named = dict(model.named_parameters())  # shared (tied) parameters appear once
+    num_params = sum(p.numel() for p in named.values())
+    num_routed = sum(p.numel() for name, p in named.items() if ROUTED_EXPERT.search(name))
+    head = model.get_output_embeddings()
+    tied = head is None or head.weight is model.get_input_embeddings().weight
+    blocks = {f"model.layers.{index}": sum(p.numel() for p in block.parameters())
+              for index, block in enumerate(model.model.layers)}
+    units = {**blocks, "root (embeddings, final norm, LM head)": num_params - sum(blocks.values())}
+    if dist.is_initialized():
+        raise RuntimeError("--dry-run builds its own fake process group; run it outside a distributed job")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
+    try:
+        # As in molt.train.run: the world group, the trainer ranks' group, a dp mesh over it ("cpu"
+        # here: the fake group has no devices; meta parameters stay on meta).
+        group = dist.new_group(list(range(cfg.layout.num_trainer_ranks)))
+        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+        shard_causal_lm(model, mesh=mesh)
+        shards = [p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()]
+        mesh_text = repr(mesh)
+    finally:
+        dist.destroy_process_group()
+    return ModelFootprint(
+        architecture=architecture, num_params=num_params, num_routed_expert_params=num_routed,
+        num_active_params=_active_params(hf_config, num_params, num_routed),
+        num_head_params=0 if tied else head.weight.numel(), num_blocks=len(blocks),
+        largest_unit=max(units.items(), key=lambda item: item[1]), rank0_shard_params=sum(shards), mesh=mesh_text)
+
+
+def _active_params(hf_config, num_params: int, num_routed: int) -> int | None:
+    num_experts = next((getattr(hf_config, name) for name in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if getattr(hf_config, name, None)), None)
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if not num_routed or not num_experts or not top_k:
+        return None
+    return num_params - num_routed + num_routed * top_k // num_experts
+
+
+def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
+    """Bytes per trainer rank and per engine GPU, with the formulas; raises when they cannot fit."""
+    import torch
+
+    layout, algo = cfg.layout, cfg.algorithm
+    width = getattr(torch, cfg.model.dtype).itemsize
+    trainers = layout.num_trainer_ranks
+    shard = model.rank0_shard_params
+    params = shard * width
+    yield (f"per trainer rank ({cfg.model.dtype}, {width} B/param; rank 0's shard, the largest: "
+           f"{shard:,} params, total / {trainers} = {model.num_params / trainers:,.0f}):")
+    yield f"  parameters       {_size(params)}   shard x {width} B"
+    yield f"  gradients        {_size(params)}   shard x {width} B (the param dtype: no mixed-precision policy)"
+    yield (f"  AdamW states     {_size(2 * params)}   2 x shard x {width} B (exp_avg, exp_avg_sq in the param dtype: "
+           f"molt/actor.py steps torch.optim.AdamW on the stored params, no fp32 master copy)")
+    total = 4 * params
+    if algo.kl_coef > 0:
+        yield f"  reference model  {_size(params)}   shard x {width} B (frozen copy for the KL; no grads, no optimizer)"
+        total += params
+    if algo.advantage_estimator == "gae":
+        critic = -(-(model.num_params - model.num_head_params) // trainers) * width
+        yield f"  critic           {_size(4 * critic)}   ~4 x (params - LM head) / {trainers} x {width} B (its own AdamW)"
+        total += 4 * critic
+    unit_name, unit_params = model.largest_unit
+    unit = unit_params * width
+    yield (f"  gathered unit    {_size(unit)}   largest FSDP unit, {unit_name}: {unit_params:,} params x {width} B, "
+           f"all-gathered for its forward and backward")
+    needed = total + unit
+    yield f"  at least         {_size(needed)}   before activations, prefetched units and allocator slack"
+    if cfg.device == "cpu":
+        return
+    tensor_parallel = layout.engine_tensor_parallel_size
+    engine = model.num_params * width / tensor_parallel
+    yield (f"per engine GPU: ~{engine / GIB:.2f} GiB of weights = {model.num_params:,} params x {width} B / "
+           f"tensor parallel {tensor_parallel}, before KV cache")
+    gpu = layout.gpu_memory_gigabytes * GIB
+    if gpu <= 0:
+        yield "GPU memory: not checked (layout.gpu_memory_gigabytes=0)"
+        return
+    budget = cfg.rollout.engine_memory_fraction * gpu
+    yield (f"GPU memory: {layout.gpu_memory_gigabytes:g} GiB (layout.gpu_memory_gigabytes); a trainer rank needs at "
+           f"least {needed / GIB:.2f} GiB; engine weights {engine / GIB:.2f} GiB of the engine's "
+           f"{budget / GIB:.2f} GiB (rollout.engine_memory_fraction={cfg.rollout.engine_memory_fraction:g})")
+    problems = []
+    if needed > gpu:
+        problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
+                        f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now {trainers}) to shard finer")
+    if engine > budget:
+        problems.append(f"an engine GPU needs {engine / GIB:.1f} GiB for the weights alone but gets "
+                        f"rollout.engine_memory_fraction x layout.gpu_memory_gigabytes = {budget / GIB:.1f} GiB: raise "
+                        f"layout.engine_tensor_parallel_size (now {tensor_parallel}, at most layout.gpus_per_node="
+                        f"{layout.gpus_per_node}) or rollout.engine_memory_fraction")
+    if problems:
+        raise ConfigError("does not fit:\n  " + "\n  ".join(problems))
+
+
+def _size(num_bytes: float) -> str:
+    """Right-aligned in GiB, or MiB / KiB for a small model."""
+    scale, unit = next((2**shift, name) for shift, name in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+                       if num_bytes >= 2**shift or shift == 0)
+    return f"{num_bytes / scale:8.2f} {unit}"
+
+
+def describe_files(cfg: MoltConfig) -> Iterator[str]:
+    yield "files the run reads (--dry-run only reports them):"
+    for name, path, needed in (("model.path", cfg.model.path, Path(cfg.model.path, "config.json")),
+                               ("data.train_path", cfg.data.train_path, Path(cfg.data.train_path)),
+                               ("agent.path", cfg.agent.path, Path(cfg.agent.path))):
+        yield f"  {name}={path!r}: {'present' if needed.is_file() else 'not on this machine'}"
+
+
+def dry_run_report(cfg: MoltConfig) -> Iterator[str]:
+    """The dry run's lines, in order; raises ConfigError (naming the field) at the first problem."""
+    validate_config(cfg, require_files=False)
+    yield from describe_placements(cfg, place_ranks(cfg.layout))
+    source, field = resolve_architecture(cfg)
+    model = measure_model(cfg, source, field)
+    device = {"cpu": "cpu", "cuda": "cuda"}.get(cfg.device, "cuda where visible, else cpu")
+    yield (f"trainer mesh: {model.mesh} over ranks 0-{cfg.layout.num_trainer_ranks - 1} (a fake process group of "
+           f"{cfg.world_size} ranks; device type {device} at run time); FSDP2 units: {model.num_blocks} decoder "
+           f"blocks + the root")
+    shown = os.path.relpath(source) if Path(source).resolve().is_relative_to(Path.cwd()) else source
+    yield f"model: {model.architecture} from {shown} ({field}), built on the meta device"
+    dense = model.num_params - model.num_routed_expert_params
+    counts = f"  parameters: {model.num_params:,} = {dense:,} dense"
+    if model.num_routed_expert_params:
+        counts += f" + {model.num_routed_expert_params:,} routed-expert"
+    if model.num_active_params is not None:
+        counts += f"; {model.num_active_params:,} active per token"
+    yield counts
+    yield from describe_memory(cfg, model)
+    yield from describe_files(cfg)
+    yield f"ok: the config is valid for {cfg.world_size} ranks"

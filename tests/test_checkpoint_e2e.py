@@ -1,0 +1,152 @@
+"""Checkpoint and resume of the whole pipeline, end to end: real torchrun jobs killed with SIGKILL
+mid-run and resumed with checkpoint.resume=auto (RELIABILITY 13-16)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train_e2e import DEMO, ROOT, _job_sets, _torchrun
+
+VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")  # rewards vary: losses are not 0
+# 8 prompts, 4 a step: the checkpoint after step 2 ends epoch 0 exactly (RELIABILITY 13), and the
+# resumed steps 3-4 run epoch 1.
+NUM_STEPS, INTERVAL, NUM_PROMPTS, PROMPTS_PER_STEP = 4, 2, 8, 4
+
+
+def _rows(out: Path) -> dict[int, dict]:
+    """Each step's metrics; a step logged twice (before a kill and after the resume) keeps its last row."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if row["step"] >= 1}
+
+
+def _prompts(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
+
+
+def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_seconds: float = 300) -> None:
+    """Start the job and SIGKILL all of it (ranks, engine cores, agent workers) once `marker` exists."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "molt.train", "--config", DEMO]
+    for item in sets:
+        args += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while not marker.exists():
+            if process.poll() is not None:
+                raise AssertionError(f"the job ended (exit {process.returncode}) before writing {marker}:\n"
+                                     f"{process.stderr.read()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker} within {timeout_seconds}s")
+            time.sleep(0.05)
+    finally:
+        _kill_tree(process.pid)
+        process.communicate()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process under it: its ranks run in sessions of their own, so
+    killing torchrun's process group alone would leave them training."""
+    for victim in [pid, *_descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _sets(tiny_model_dir, data_dir, out, **fields) -> list[str]:
+    return _job_sets(tiny_model_dir, data_dir, out, **{
+        "train.num_steps": NUM_STEPS, "checkpoint.interval_steps": INTERVAL, "refit.check_every_steps": 1000,
+        "rollout.prompts_per_step": PROMPTS_PER_STEP, "rollout.max_response_tokens": 8,
+        "train.learning_rate": 1e-3, "agent.path": VARIED_AGENT, **fields})
+
+
+@pytest.fixture
+def eight_prompts(tmp_path, demo_data_dir) -> Path:
+    """A data directory whose train.jsonl holds the demo's first 8 prompts (one epoch = 2 steps)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = (Path(demo_data_dir) / "train.jsonl").read_text().splitlines()[:NUM_PROMPTS]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return data
+
+
+def _check_each_epoch_trains_every_prompt_once(prompts: dict[int, dict]) -> None:
+    assert sorted(prompts) == list(range(1, NUM_STEPS + 1))
+    steps_per_epoch = NUM_PROMPTS // PROMPTS_PER_STEP
+    for first in range(1, NUM_STEPS + 1, steps_per_epoch):
+        epoch = [i for step in range(first, first + steps_per_epoch) for i in prompts[step]["trained"]]
+        assert sorted(epoch) == list(range(NUM_PROMPTS)), prompts  # none lost, none twice
+
+
+def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_path, tiny_model_dir, eight_prompts):
+    """Synchronous: N steps straight, and N/2 + SIGKILL of the whole job + resume + N/2, train on the
+    same prompts in the same steps with the same losses, across the epoch boundary the checkpoint
+    sits on; the resumed engines carry the checkpoint's weights before the first new rollout (the
+    refit check right after the resume)."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, straight))
+    assert done.returncode == 0, done.stderr[-4000:]
+    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts, killed),
+                                   killed / "checkpoints" / f"step_{INTERVAL:08d}" / "COMPLETE")
+    assert max(_rows(killed)) < NUM_STEPS  # it was killed mid-run
+    resumed = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, killed, **{"checkpoint.resume": "auto"}))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {killed / 'checkpoints' / f'step_{INTERVAL:08d}'}: step {INTERVAL}" in resumed.stderr
+
+    expected, got = _prompts(straight), _prompts(killed)
+    _check_each_epoch_trains_every_prompt_once(got)
+    assert [got[s]["trained"] for s in sorted(got)] == [expected[s]["trained"] for s in sorted(expected)]
+    straight_rows, killed_rows = _rows(straight), _rows(killed)
+    assert sorted(killed_rows) == list(range(1, NUM_STEPS + 1))
+    assert any(abs(row["train/loss"]) > 1e-4 for row in straight_rows.values())  # the comparison is not trivial
+    for step in range(1, NUM_STEPS + 1):
+        for key in ("train/loss", "train/grad_norm", "reward/mean"):
+            assert killed_rows[step][key] == pytest.approx(straight_rows[step][key], abs=1e-6), (step, key)
+    # The resumed engines were refitted from the checkpoint before any rollout and score like the trainer.
+    assert killed_rows[INTERVAL + 1]["refit/max_abs_logprob_diff"] <= 1e-4
+
+
+def test_kill_9_and_resume_while_streaming_loses_and_repeats_no_prompt(tmp_path, tiny_model_dir, eight_prompts):
+    """Streaming (the next step's rollouts in flight at the checkpoint): the resumed run
+    re-dispatches their prompts; every prompt of each epoch is trained once."""
+    out = tmp_path / "run"
+    streaming = {"algorithm.max_staleness": 1, "rollout.partial_rollout": True, "algorithm.importance_level": "token",
+                 "algorithm.importance_mode": "trunc"}
+    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts, out, **streaming),
+                                   out / "checkpoints" / f"step_{INTERVAL:08d}" / "COMPLETE")
+    assert max(_rows(out)) < NUM_STEPS  # it was killed mid-run
+    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, out, **streaming, **{"checkpoint.resume": "auto"}))
+    assert done.returncode == 0, done.stderr[-4000:]
+    prompts, rows = _prompts(out), _rows(out)
+    _check_each_epoch_trains_every_prompt_once(prompts)
+    assert sorted(rows) == list(range(1, NUM_STEPS + 1))
+    total = NUM_STEPS * PROMPTS_PER_STEP * 4
+    assert rows[NUM_STEPS]["rollout/dispatched_total"] == rows[NUM_STEPS]["rollout/consumed_total"] == total
+    assert rows[INTERVAL + 1]["rollout/in_flight"] == PROMPTS_PER_STEP * 4  # it streamed after the resume too

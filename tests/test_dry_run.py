@@ -1,0 +1,175 @@
+"""`--dry-run` of the large recipes at their real world size, on CPU, with no checkpoint: ranks,
+placement, the trainer mesh and bytes per rank; broken layouts fail naming the field."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molt.config import ConfigError, LayoutConfig
+from molt.dry_run import place_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_RECIPE = ROOT / "configs" / "qwen3_30b_a3b_math_tool.py"
+MOE_1T_RECIPE = ROOT / "configs" / "moe_1t.py"
+GIB = 2**30
+
+
+def run_dry_run(recipe: Path, *overrides: str, checkpoints: Path) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    # The checkpoints are absent, as on a laptop: the dry run must read configs/hf instead.
+    env.update(MOLT_CHECKPOINTS=str(checkpoints), MOLT_DATA=str(checkpoints))
+    command = [sys.executable, "-m", "molt.train", "--config", str(recipe), "--dry-run"]
+    for item in overrides:
+        command += ["--set", item]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def hf_config(name: str) -> dict:
+    return json.loads((ROOT / "configs" / "hf" / name / "config.json").read_text())
+
+
+def qwen3_moe_params(c: dict) -> int:
+    """Parameters of Qwen3MoeForCausalLM, counted by hand from its config (untied embeddings)."""
+    hidden, head_dim = c["hidden_size"], c["head_dim"]
+    attention = (hidden * c["num_attention_heads"] * head_dim * 2  # q_proj, o_proj
+                 + hidden * c["num_key_value_heads"] * head_dim * 2  # k_proj, v_proj
+                 + 2 * head_dim)  # q_norm, k_norm
+    experts = c["num_experts"] * 3 * hidden * c["moe_intermediate_size"]  # gate, up, down
+    router = hidden * c["num_experts"]
+    block = attention + experts + router + 2 * hidden  # two RMSNorms
+    return c["num_hidden_layers"] * block + 2 * c["vocab_size"] * hidden + hidden
+
+
+def deepseek_v3_params(c: dict) -> int:
+    """Parameters of DeepseekV3ForCausalLM (MLA attention, first_k_dense_replace dense blocks)."""
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attention = (hidden * c["q_lora_rank"] + c["q_lora_rank"] + c["q_lora_rank"] * heads * qk_head
+                 + hidden * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) + c["kv_lora_rank"]
+                 + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
+                 + heads * c["v_head_dim"] * hidden)
+    dense_mlp = 3 * hidden * c["intermediate_size"]
+    expert = 3 * hidden * c["moe_intermediate_size"]
+    moe_mlp = (c["n_routed_experts"] + c["n_shared_experts"]) * expert + c["n_routed_experts"] * hidden
+    num_dense = c["first_k_dense_replace"]
+    blocks = (num_dense * (attention + dense_mlp + 2 * hidden)
+              + (c["num_hidden_layers"] - num_dense) * (attention + moe_mlp + 2 * hidden))
+    return blocks + 2 * c["vocab_size"] * hidden + hidden
+
+
+def printed_params(stdout: str) -> int:
+    return int(re.search(r"parameters: ([\d,]+) =", stdout)[1].replace(",", ""))
+
+
+def printed_gib(stdout: str, row: str) -> float:
+    return float(re.search(rf"^  {row}\s+([\d.]+) GiB", stdout, re.MULTILINE)[1])
+
+
+def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
+    result = run_dry_run(QWEN3_RECIPE, checkpoints=tmp_path / "absent")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "layout: 16 ranks = 8 trainer + 8 rollout; 16 GPUs on 2 node(s) of 8" in out
+    assert "rank 0: node 0, local rank 0, GPU 0: trainer (FSDP2 dp shard 0/8) + rollout controller" in out
+    assert "rank 7: node 0, local rank 7, GPU 7: trainer (FSDP2 dp shard 7/8)" in out
+    assert "rank 8: node 1, local rank 0, GPU 0: rollout: vLLM engine (tensor parallel 1)" in out
+    assert "rank 15: node 1, local rank 7, GPU 7: rollout" in out
+    assert "launch: torchrun --nnodes 2 --nproc_per_node 8" in out
+    assert "trainer mesh: DeviceMesh((dp=8)" in out and "fake process group of 16 ranks" in out
+    assert "model: Qwen3MoeForCausalLM" in out and "(model.config_path)" in out
+    expected = qwen3_moe_params(hf_config("qwen3-30b-a3b"))
+    assert printed_params(out) == expected
+    assert abs(expected - 30.5e9) < 0.05e9  # the published 30.5B
+    # bf16, 8 trainer ranks: shard = params / 8 (every sharded dim divides by 8), x 2 bytes.
+    shard_gib = expected / 8 * 2 / GIB
+    assert printed_gib(out, "parameters") == pytest.approx(shard_gib, abs=0.01)
+    assert printed_gib(out, "gradients") == pytest.approx(shard_gib, abs=0.01)
+    assert printed_gib(out, "AdamW states") == pytest.approx(2 * shard_gib, abs=0.01)
+    assert "model.path='" + str(tmp_path / "absent" / "Qwen3-30B-A3B") + "': not on this machine" in out
+    assert out.rstrip().endswith("ok: the config is valid for 16 ranks")
+
+
+def test_moe_1t_recipe_passes_dry_run(tmp_path):
+    result = run_dry_run(MOE_1T_RECIPE, checkpoints=tmp_path / "absent")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "layout: 72 ranks = 64 trainer + 8 rollout; 128 GPUs on 16 node(s) of 8" in out
+    assert "rank 63: node 7, local rank 7, GPU 7: trainer (FSDP2 dp shard 63/64)" in out
+    assert "rank 64: node 8, local rank 0, GPUs 0-7: rollout: vLLM engine (tensor parallel 8)" in out
+    assert "rank 71: node 15, local rank 0, GPUs 0-7: rollout" in out
+    assert "8 on nodes 0-7, 1 on nodes 8-15" in out  # what cannot be launched yet is said
+    assert "pins its engine to the GPUs above with CUDA_VISIBLE_DEVICES" in out
+    assert "trainer mesh: DeviceMesh((dp=64)" in out and "fake process group of 72 ranks" in out
+    expected = deepseek_v3_params(hf_config("moe-1t"))
+    assert printed_params(out) == expected
+    assert 1.0e12 < expected < 1.05e12
+    shard_gib = expected / 64 * 2 / GIB
+    assert printed_gib(out, "parameters") == pytest.approx(shard_gib, rel=1e-3)
+    assert printed_gib(out, "AdamW states") == pytest.approx(2 * shard_gib, rel=1e-3)
+    engine_gib = expected * 2 / 8 / GIB
+    assert f"per engine GPU: ~{engine_gib:.2f} GiB" in out
+    assert out.rstrip().endswith("ok: the config is valid for 72 ranks")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["layout.num_trainer_ranks=0"], ["layout.num_trainer_ranks=0: need at least 1"]),
+    (["layout.engine_tensor_parallel_size=3"],
+     ["layout.engine_tensor_parallel_size=3 does not divide layout.gpus_per_node=8"]),
+    # 60 trainer GPUs: the 1st engine would take GPUs 4-11 of node 7.
+    (["layout.num_trainer_ranks=60"],
+     ["make layout.num_trainer_ranks=60 a multiple of layout.engine_tensor_parallel_size=8"]),
+    (["model.config_path="], ["model.config_path is empty"]),
+    # 141 GB H200s (131 GiB): neither 1/64 of the training state nor 1/8 of the bf16 weights fits.
+    (["layout.gpu_memory_gigabytes=131"],
+     ["raise layout.num_trainer_ranks (now 64)", "raise layout.engine_tensor_parallel_size (now 8"]),
+])
+def test_broken_layout_fails_naming_the_field(tmp_path, overrides, expected):
+    result = run_dry_run(MOE_1T_RECIPE, *overrides, checkpoints=tmp_path / "absent")
+    assert result.returncode == 2
+    assert "ok: the config is valid" not in result.stdout
+    for text in expected:
+        assert text in result.stderr
+
+
+def test_ranks_fill_nodes_in_order():
+    # One node shared by 4 trainers and two engines of 2 GPUs, then an engine per half node.
+    layout = LayoutConfig(num_trainer_ranks=4, num_rollout_ranks=4, engine_tensor_parallel_size=2, gpus_per_node=8)
+    placed = [(p.rank, p.is_trainer, p.node, p.local_rank, p.gpus) for p in place_ranks(layout)]
+    assert placed == [
+        (0, True, 0, 0, (0,)), (1, True, 0, 1, (1,)), (2, True, 0, 2, (2,)), (3, True, 0, 3, (3,)),
+        (4, False, 0, 4, (4, 5)), (5, False, 0, 5, (6, 7)),
+        (6, False, 1, 0, (0, 1)), (7, False, 1, 1, (2, 3)),
+    ]
+    with pytest.raises(ConfigError, match="layout.num_trainer_ranks=3 a multiple of"):
+        place_ranks(LayoutConfig(num_trainer_ranks=3, num_rollout_ranks=3, engine_tensor_parallel_size=2,
+                                 gpus_per_node=8))
+
+
+def test_rollout_ranks_pin_their_engines_to_their_own_gpus():
+    from molt.config import MoltConfig
+    from molt.train import pin_engine_gpus
+
+    cfg = MoltConfig(device="cuda")
+    cfg.layout.num_trainer_ranks, cfg.layout.num_rollout_ranks, cfg.layout.gpus_per_node = 8, 8, 8
+    pinned = {}
+    for rank in (8, 9, 15):
+        environ = {}
+        pin_engine_gpus(cfg, rank, environ)
+        pinned[rank] = environ["CUDA_VISIBLE_DEVICES"]
+    assert pinned == {8: "0", 9: "1", 15: "7"}  # node 1's GPUs, one engine each
+    environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7,0,1,2,3"}  # the launcher's numbering is kept
+    pin_engine_gpus(cfg, 9, environ)
+    assert environ["CUDA_VISIBLE_DEVICES"] == "5"
+    cfg.layout.num_rollout_ranks, cfg.layout.engine_tensor_parallel_size = 4, 2
+    environ = {}
+    pin_engine_gpus(cfg, 9, environ)
+    assert environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    cfg.device, environ = "cpu", {}
+    pin_engine_gpus(cfg, 9, environ)
+    assert environ == {}

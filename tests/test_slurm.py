@@ -1,0 +1,246 @@
+"""Slurm: the srun variable mapping, the host-list expander, the sbatch scripts (run against stub
+`srun`/`scontrol`), and a real two-process job started the way srun starts it, without torchrun."""
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from molt.train import expand_hostlist, expand_tasks_per_node, job_host, map_slurm_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs" / "demo.py")
+SCRIPTS = [ROOT / "launch" / "slurm.sbatch", ROOT / "launch" / "slurm_srun.sbatch"]
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("hostlist, expected", [
+    ("localhost", ["localhost"]),
+    ("127.0.0.1", ["127.0.0.1"]),
+    ("node[01-02]", ["node01", "node02"]),
+    ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("a[1-2]-ib,b[009-010]", ["a1-ib", "a2-ib", "b009", "b010"]),
+    ("r[1-2]n[1,3]", ["r1n1", "r1n3", "r2n1", "r2n3"]),
+])
+def test_expand_hostlist_gives_scontrols_order(hostlist, expected):
+    assert expand_hostlist(hostlist) == expected
+
+
+@pytest.mark.parametrize("hostlist", ["node[01-02", "node]01", "node[a-b]", "node[[1]]", ""])
+def test_expand_hostlist_refuses_what_it_cannot_read(hostlist):
+    with pytest.raises(ValueError, match="Slurm host list"):
+        expand_hostlist(hostlist)
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("8(x2),4") == [8, 8, 4]
+    assert expand_tasks_per_node("2") == [2]
+    with pytest.raises(ValueError, match="tasks per node"):
+        expand_tasks_per_node("8x2")
+
+
+def _task(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
+    """The variables srun gives one task of a two-node job with 8 tasks per node."""
+    return {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
+            "SLURM_NTASKS": "16", "SLURM_NNODES": "2", "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+            "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_JOB_ID": "123456",
+            "PATH": "/usr/bin", **extra}
+
+
+def test_srun_tasks_of_two_nodes_get_torchruns_variables():
+    first, tenth = _task(0, 0, 0), _task(9, 1, 1)
+    map_slurm_environment(first)
+    map_slurm_environment(tenth)
+    assert {key: first[key] for key in TORCHRUN_VARIABLES} == {
+        "RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu007", "MASTER_PORT": "23456"}
+    assert {key: tenth[key] for key in TORCHRUN_VARIABLES} == {
+        "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu007", "MASTER_PORT": "23456"}
+
+
+def test_uneven_nodes_and_the_steps_own_node_list():
+    # A step on part of the allocation: task 0 runs on the step's first node, not the job's.
+    environ = _task(8, 0, 1, SLURM_NTASKS="12", SLURM_STEP_TASKS_PER_NODE="8,4",
+                    SLURM_STEP_NODELIST="gpu[010,012]", SLURM_JOB_NODELIST="gpu[007-012]")
+    map_slurm_environment(environ)
+    assert (environ["WORLD_SIZE"], environ["LOCAL_WORLD_SIZE"], environ["MASTER_ADDR"]) == ("12", "4", "gpu010")
+    # Only --ntasks-per-node known: it counts for every node; SLURM_NODELIST is the last resort.
+    environ = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4",
+               "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODELIST": "cn[3-4]"}
+    map_slurm_environment(environ)
+    assert (environ["LOCAL_WORLD_SIZE"], environ["MASTER_ADDR"]) == ("2", "cn3")
+    assert "MASTER_PORT" not in environ  # no job id to derive it from: torch's own default applies
+
+
+def test_torchruns_variables_are_never_overridden():
+    # Under `srun torchrun`, each rank inherits the Slurm task's variables and torchrun's own.
+    torchrun = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+                "MASTER_ADDR": "gpu008", "MASTER_PORT": "41234"}
+    environ = {**_task(0, 0, 0), **torchrun}
+    before = dict(environ)
+    map_slurm_environment(environ)
+    assert environ == before
+    # What the launch script exported is kept; the rest is mapped.
+    environ = _task(3, 3, 0, MASTER_ADDR="10.0.0.7", MASTER_PORT="29400")
+    map_slurm_environment(environ)
+    assert (environ["RANK"], environ["MASTER_ADDR"], environ["MASTER_PORT"]) == ("3", "10.0.0.7", "29400")
+    # Outside Slurm nothing is added.
+    environ = {"PATH": "/usr/bin"}
+    map_slurm_environment(environ)
+    assert environ == {"PATH": "/usr/bin"}
+
+
+class _FakeProbe:
+    """Stands in for the UDP socket job_host connects to find its outgoing interface."""
+
+    connected_to = None
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def connect(self, address):
+        _FakeProbe.connected_to = address
+
+    def getsockname(self):
+        return ("10.0.0.5", 40000)
+
+
+def test_job_host_is_loopback_on_one_node_and_routable_across_nodes(monkeypatch):
+    assert job_host({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}) == "127.0.0.1"
+    names = {"trainer-host": "10.0.0.9", "gpu007": "10.0.0.1"}
+    monkeypatch.setattr(socket, "gethostname", lambda: "trainer-host")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: names[name])
+    monkeypatch.setattr(socket, "socket", _FakeProbe)
+    two_nodes = {"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16", "MASTER_ADDR": "gpu007", "MASTER_PORT": "23456"}
+    assert job_host(two_nodes) == "10.0.0.9"
+    assert _FakeProbe.connected_to is None
+    # /etc/hosts maps the host name to loopback: use the interface that reaches MASTER_ADDR.
+    names["trainer-host"] = "127.0.1.1"
+    assert job_host(two_nodes) == "10.0.0.5"
+    assert _FakeProbe.connected_to == ("10.0.0.1", 23456)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_sbatch_scripts_parse(script):
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert os.access(script, os.X_OK)
+
+
+def _run_script(script: Path, args: list[str], slurm: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run an sbatch script as the batch step would, with stub `scontrol` and `srun` that record
+    what the script asked for."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node01\\nnode02\\n"\n')
+    (stubs / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STUB_DIR/srun.args"\n'
+                                'echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("SLURM_") and key not in TORCHRUN_VARIABLES + ("CONFIG",)}
+    env.update(PATH=f"{stubs}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, STUB_DIR=str(tmp_path),
+               SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]", **slurm)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+
+
+def test_the_torchrun_script_splits_the_recipes_ranks_over_the_nodes(tmp_path):
+    four_ranks = ["--set", "layout.num_rollout_ranks=3"]
+    done = _run_script(SCRIPTS[0], [DEMO, *four_ranks], {"SLURM_NNODES": "2"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    srun = (tmp_path / "srun.args").read_text().splitlines()
+    torchrun = srun[srun.index("torch.distributed.run") + 1:]
+    assert torchrun == ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node01:24242",
+                        "--rdzv_id=4242", "-m", "molt.train", "--config", DEMO, *four_ranks]
+    assert {"--ntasks=2", "--ntasks-per-node=1"} <= set(srun)
+    # The recipe may also come from CONFIG; 3 ranks cannot be split over 2 nodes.
+    (tmp_path / "srun.args").unlink()
+    done = _run_script(SCRIPTS[0], ["--set", "layout.num_trainer_ranks=2"], {"SLURM_NNODES": "2", "CONFIG": DEMO},
+                       tmp_path)
+    assert done.returncode == 2
+    assert "the recipe has 3 ranks" in done.stderr and "2 nodes cannot share evenly" in done.stderr
+    assert not (tmp_path / "srun.args").exists()
+
+
+def test_the_srun_script_starts_one_task_per_rank(tmp_path):
+    done = _run_script(SCRIPTS[1], [DEMO, "--set", "train.num_steps=1"], {"SLURM_NTASKS": "2"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    srun = (tmp_path / "srun.args").read_text().splitlines()
+    assert srun == ["--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "-m", "molt.train", "--config", DEMO,
+                    "--set", "train.num_steps=1"]
+    assert (tmp_path / "srun.master").read_text().strip() == "node01:24242"
+    (tmp_path / "srun.args").unlink()
+    done = _run_script(SCRIPTS[1], [DEMO], {"SLURM_NTASKS": "16"}, tmp_path)
+    assert done.returncode == 2
+    assert "the recipe has 2 ranks" in done.stderr and "the job has 16 tasks" in done.stderr
+    assert not (tmp_path / "srun.args").exists()
+
+
+def _free_job_id() -> str:
+    """A job id whose derived MASTER_PORT (20000 + id % 10000) is free on this machine now."""
+    for _ in range(50):
+        job_id = random.randrange(1_000_000, 9_000_000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", 20000 + job_id % 10000))
+            except OSError:
+                continue
+        return str(job_id)
+    raise AssertionError("no free port in 20000-29999")
+
+
+def test_two_plain_srun_tasks_train_without_torchrun(tmp_path, tiny_model_dir, demo_data_dir):
+    """Two processes with only the variables srun gives its tasks (one node, localhost): molt.train
+    maps them, rendezvouses, and trains with the real vLLM CPU engine."""
+    out = tmp_path / "run"
+    sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
+            "metrics.output_dir": out, "train.num_steps": 2, "rollout.prompts_per_step": 2,
+            "rollout.n_samples_per_prompt": 2}
+    args = [sys.executable, "-m", "molt.train", "--config", DEMO]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    base = {key: value for key, value in os.environ.items()
+            if not key.startswith(("SLURM_", "TORCHELASTIC_")) and key not in TORCHRUN_VARIABLES}
+    base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", SLURM_NTASKS="2", SLURM_NNODES="1",
+                SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=_free_job_id())
+    # Output to files, not pipes: the tasks are polled together, so one that fails stops the other
+    # (which would otherwise wait for it at the rendezvous) instead of the test waiting out the timeout.
+    logs = [tmp_path / f"task{task}.log" for task in range(2)]
+    tasks = []
+    for task, log in enumerate(logs):
+        with log.open("w") as output:
+            tasks.append(subprocess.Popen(
+                args, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task), "SLURM_NODEID": "0"}))
+    deadline = time.monotonic() + 300
+    while any(task.poll() is None for task in tasks) and time.monotonic() < deadline:
+        if any(task.returncode for task in tasks):
+            break
+        time.sleep(0.5)
+    for task in tasks:
+        if task.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(task.pid, signal.SIGKILL)
+            task.wait()
+    for index, (task, log) in enumerate(zip(tasks, logs)):
+        assert task.returncode == 0, f"task {index} exited {task.returncode}:\n{log.read_text()[-4000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["step"] >= 1] == [1, 2]
+    assert all(row["train/num_action_tokens"] > 0 for row in rows if row["step"] >= 1)
