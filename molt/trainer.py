@@ -124,7 +124,8 @@ class Trainer:
         state = None
         if self.is_controller:
             state = {"step": step, "policy_version": self.policy_version, "learner": self.learner.state_dict(),
-                     "controller": self.controller.state_dict(), "wandb_run_id": self.metrics.run_id}
+                     "controller": self.controller.state_dict(), "wandb_run_id": self.metrics.run_id,
+                     "model_path": self.cfg.model.path}
         save_checkpoint(self.cfg.checkpoint_dir, step, trainables=self.trainables(), group=self.group,
                         rank=self.rank, state=state, keep_last=self.cfg.checkpoint.keep_last)
 
