@@ -125,11 +125,15 @@ def read_wandb_records(path: Path) -> list:
     return records
 
 
-def test_wandb_offline_run_lands_under_output_dir(tmp_path, monkeypatch):
-    # Belt and braces: offline everywhere, and W&B's own cache/config kept inside the test dir.
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """Belt and braces: offline everywhere, and W&B's own cache/config kept inside the test dir."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+
+
+def test_wandb_offline_run_lands_under_output_dir(tmp_path, wandb_offline):
     output_dir = tmp_path / "run"
     metrics = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test")
     metrics.log(1, {"reward/mean": 0.25})
@@ -153,11 +157,8 @@ def test_wandb_offline_run_lands_under_output_dir(tmp_path, monkeypatch):
     assert len(read_jsonl(output_dir / "metrics.jsonl")) == 2
 
 
-def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
+def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline):
     """A resumed job passes the checkpoint's run id: its steps land in the same W&B run."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     output_dir = tmp_path / "run"
     first = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test")
     run_id = first.run_id
