@@ -18,6 +18,7 @@ import pytest
 
 from molt.agent_pool import AgentWorkerPool
 from molt.config import MoltConfig
+from test_payloads import Exploit
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS_AGENT = str(Path(__file__).parent / "agents" / "worker_faults.py")
@@ -117,14 +118,6 @@ def test_chat_agents_open_their_sessions_on_the_rank_endpoint(engine, endpoint, 
     assert set(endpoint.endpoint.sessions) == before  # each closed, its segments handed over
 
 
-class _Exploit:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
-
-
 def test_crafted_pickles_sent_to_the_worker_socket_never_run(engine, endpoint, tiny_model_dir, faults_dir, tmp_path):
     """The rank's worker socket decodes msgpack from its own workers only: frames from a stranger
     (here crafted pickles) are dropped undecoded and the pool keeps serving."""
@@ -139,8 +132,8 @@ def test_crafted_pickles_sent_to_the_worker_socket_never_run(engine, endpoint, t
     try:
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(pool.address)
-        evil = pickle.dumps(_Exploit(marker))
-        for frames in ([evil], [pickle.dumps({"type": "outcome", "rollout_id": _Exploit(marker)})], [b"", evil]):
+        evil = pickle.dumps(Exploit(marker))
+        for frames in ([evil], [pickle.dumps({"type": "outcome", "rollout_id": Exploit(marker)})], [b"", evil]):
             stranger.send_multipart(frames)
         outcomes = _run_all(engine, pool, [_request(100 + i, group_id=7, sample_index=i) for i in range(2)])
     finally:

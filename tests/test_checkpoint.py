@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
 from molt.checkpoint import complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from molt.refit import find_free_port
 
 CPU = torch.device("cpu")
 
@@ -53,20 +54,12 @@ def _load_newest(rank, world_size, model_path, root):
     return {"path": str(path), "step": state["step"], "checksum": _checksum(actor)}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_writer_killed_at_random_points_leaves_the_previous_checkpoint_loadable(tmp_path, model_path):
     chance = random.Random(0)
     context = multiprocessing.get_context("spawn")
     for trial in range(3):
         root = tmp_path / f"trial{trial}"
-        writer = context.Process(target=_writer, args=(model_path, str(root), _free_port()), daemon=True)
+        writer = context.Process(target=_writer, args=(model_path, str(root), find_free_port("127.0.0.1")), daemon=True)
         writer.start()
         deadline = time.monotonic() + 120
         while not (root / "step_00000001" / "COMPLETE").exists():

@@ -3,7 +3,6 @@ mid-run and resumed with checkpoint.resume=auto (RELIABILITY 13-16)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import DEMO, ROOT, _job_sets, _torchrun
+from test_train_e2e import DEMO, ROOT, _job_sets, _kill_tree, _torchrun
 
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")  # rewards vary: losses are not 0
 # 8 prompts, 4 a step: the checkpoint after step 2 ends epoch 0 exactly (RELIABILITY 13), and the
@@ -51,33 +50,6 @@ def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_second
     finally:
         _kill_tree(process.pid)
         process.communicate()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and every process under it: its ranks run in sessions of their own, so
-    killing torchrun's process group alone would leave them training."""
-    for victim in [pid, *_descendants(pid)]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _sets(tiny_model_dir, data_dir, out, **fields) -> list[str]:

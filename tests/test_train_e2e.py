@@ -26,17 +26,44 @@ def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float =
     for item in sets:
         args += ["--set", item]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    # Its own process group: on a timeout the whole job (ranks, engine cores) is killed, not
-    # just torchrun, so a hung job cannot outlive the test.
+    # On a timeout the whole job (torchrun and every process under it: ranks, engine cores, agent
+    # workers) is killed, so a hung job cannot outlive the test.
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout_seconds)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_tree(process.pid)
         stdout, stderr = process.communicate()
         raise AssertionError(f"torchrun job still running after {timeout_seconds}s; stderr:\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process under it: its ranks run in sessions of their own, so
+    killing torchrun's process group alone would leave them training."""
+    for victim in [pid, *_descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:

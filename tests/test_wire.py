@@ -1,20 +1,12 @@
 """The controller's socket decodes msgpack only: crafted pickles are dropped, never run, and it keeps serving."""
 
-import os
 import pickle
 
 import msgpack
 import zmq
 
 from molt.wire import Router, connect_dealer, pack
-
-
-class Exploit:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.marker),)
+from test_payloads import Exploit
 
 
 def test_the_controller_socket_drops_crafted_pickles_and_keeps_serving(tmp_path):
