@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -47,10 +48,7 @@ class StoredPayload:
     ref: PayloadRef
     segment: Segment | None  # None when spilled
     path: str | None  # the spill file, when spilled
-
-    @property
-    def key_bytes(self) -> bytes:
-        return bytes.fromhex(self.ref.key)
+    key_bytes: bytes  # the key as the segment header holds it, for the consumed check
 
 
 def segment_capacity(nbytes: int) -> int:
@@ -77,9 +75,12 @@ class PayloadStore:
         self.spill_dir = ensure_private_dir(spill_dir or default_spill_dir())
         self.prefix = f"molt-{node_id}-{os.getpid()}-{secrets.token_hex(4)}-"
         self.lock = threading.Lock()
+        self.next_reclaim = 0.0  # monotonic time before which offload does not scan for consumed payloads
         self.payloads: dict[str, StoredPayload] = {}
         self.pooled: dict[int, list[Segment]] = {}  # capacity -> free segments
         self.segment_bytes = 0  # shared memory held, live and pooled, headers included
+        self.live_count = {"shm": 0, "file": 0}  # live payloads by location, kept as they come and go
+        self.live_bytes = {"shm": 0, "file": 0}
         self.counters = {"offloaded": 0, "freed": 0, "fetched": 0, "spilled": 0, "spilled_bytes": 0,
                          "segments_created": 0, "segments_evicted": 0}
         self.closed = False
@@ -111,7 +112,9 @@ class PayloadStore:
         ref = PayloadRef(node=self.node_id, key=key, address=self.address, location=location, name=name,
                          entries=entries)
         with self.lock:
-            self.payloads[key] = StoredPayload(ref, segment, path)
+            self.payloads[key] = StoredPayload(ref, segment, path, bytes.fromhex(key))
+            self.live_count[location] += 1
+            self.live_bytes[location] += nbytes
             self.counters["offloaded"] += 1
             if path is not None:
                 self.counters["spilled"] += 1
@@ -125,15 +128,21 @@ class PayloadStore:
 
     def reclaim(self) -> int:
         """Frees the payloads whose same-node consumers marked them consumed in their segment
-        header; the server thread calls this a few times a second, offload when it needs room."""
+        header; the server thread calls this a few times a second, offload when it lacks a pooled
+        segment (see take_segment)."""
         with self.lock:
             return self.reclaim_locked()
 
     def reclaim_locked(self) -> int:
+        start = time.monotonic()
         consumed = [key for key, stored in self.payloads.items()
                     if stored.segment is not None and stored.segment.memory[CONSUMED].tobytes() == stored.key_bytes]
         for key in consumed:
             self.drop(key)
+        # The scan visits every live payload; spacing scans by ten times their cost keeps a burst of
+        # offloads, each short of a pooled segment, from going quadratic in the payloads alive.
+        now = time.monotonic()
+        self.next_reclaim = now + 10 * (now - start)
         return len(consumed)
 
     def drop(self, key: str) -> bool:
@@ -141,6 +150,8 @@ class PayloadStore:
         if stored is None:
             return False
         self.counters["freed"] += 1
+        self.live_count[stored.ref.location] -= 1
+        self.live_bytes[stored.ref.location] -= stored.ref.nbytes
         if stored.segment is not None:
             stored.segment.memory[:HEADER.size] = 0  # a stale reader sees no key
             self.pool(stored.segment)
@@ -163,21 +174,24 @@ class PayloadStore:
         tensors = read_spill_file(stored.path, stored.ref)
         return stored.ref, [byte_view(tensors[e.name]) for e in stored.ref.entries]
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, *, reclaim: bool = True) -> dict[str, float]:
+        """The store's gauges and counters. `reclaim` first frees what same-node consumers marked
+        consumed, a scan of every live payload; without it this costs the same however many are
+        live (the rollout rank sends these with every outcome), and payloads consumed since the
+        server thread's last reclaim still count as live."""
         with self.lock:
-            self.reclaim_locked()
-            in_memory = [s.ref.nbytes for s in self.payloads.values() if s.segment is not None]
-            spilled = [s.ref.nbytes for s in self.payloads.values() if s.path is not None]
+            if reclaim:
+                self.reclaim_locked()
             num_pooled = sum(len(segments) for segments in self.pooled.values())
             return {
                 "payloads/live": len(self.payloads),
-                "payloads/occupancy_bytes": sum(in_memory),  # payload bytes in shared memory
-                "payloads/segments": len(in_memory) + num_pooled,
+                "payloads/occupancy_bytes": self.live_bytes["shm"],  # payload bytes in shared memory
+                "payloads/segments": self.live_count["shm"] + num_pooled,
                 "payloads/pooled_segments": num_pooled,
                 "payloads/segment_bytes": self.segment_bytes,  # shared memory held, <= budget_bytes
                 "payloads/budget_bytes": self.budget_bytes,
-                "payloads/spill_files": len(spilled),
-                "payloads/spill_file_bytes": sum(spilled),
+                "payloads/spill_files": self.live_count["file"],
+                "payloads/spill_file_bytes": self.live_bytes["file"],
                 **{f"payloads/{name}": value for name, value in self.counters.items()},
             }
 
@@ -200,6 +214,8 @@ class PayloadStore:
                     self.destroy_segment(segment)
             self.payloads.clear()
             self.pooled.clear()
+            self.live_count = {"shm": 0, "file": 0}
+            self.live_bytes = {"shm": 0, "file": 0}
         remove_prefix(self.prefix, [self.shm_dir, self.spill_dir])  # the owner file, and any leftover
         remove_quietly(self.owner_path)
 
@@ -215,20 +231,20 @@ class PayloadStore:
         """A pooled or new segment for `nbytes`, or None if the budget cannot hold one."""
         capacity = segment_capacity(nbytes)
         size = HEADER_BYTES + capacity
+        if size > self.budget_bytes:
+            return None
         with self.lock:
-            if not self.pooled.get(capacity):
+            # Consumed payloads refill the pool; a scan for them is paced unless the budget is short.
+            if not self.pooled.get(capacity) and (self.segment_bytes + size > self.budget_bytes
+                                                  or time.monotonic() >= self.next_reclaim):
                 self.reclaim_locked()
             if self.pooled.get(capacity):
-                segment = self.pooled[capacity].pop()
-            else:
-                if size > self.budget_bytes:
-                    return None
-                while self.segment_bytes + size > self.budget_bytes and self.evict_pooled():
-                    pass
-                if self.segment_bytes + size > self.budget_bytes:
-                    return None
-                segment = self.create_segment(capacity)
-            return segment
+                return self.pooled[capacity].pop()
+            while self.segment_bytes + size > self.budget_bytes and self.evict_pooled():
+                pass
+            if self.segment_bytes + size > self.budget_bytes:
+                return None
+            return self.create_segment(capacity)
 
     def write_segment(self, segment: Segment, key: str, nbytes: int, entries: tuple[TensorEntry, ...],
                       tensors: dict[str, torch.Tensor]) -> None:
