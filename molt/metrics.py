@@ -169,6 +169,22 @@ def process_resources(role: str) -> dict[str, float]:
             f"process/{role}_open_fds": float(len(os.listdir("/proc/self/fd")))}
 
 
+class ProcessResourceSampler:
+    """process_resources(role) for a hot path: read at most once per `interval_seconds`, the last
+    reading returned in between (the rollout rank reports them with each of its outcomes)."""
+
+    def __init__(self, role: str, interval_seconds: float = 1.0):
+        self.role, self.interval_seconds = role, interval_seconds
+        self.reading: dict[str, float] = {}
+        self.read_at = -math.inf
+
+    def read(self) -> dict[str, float]:
+        now = time.monotonic()
+        if now - self.read_at >= self.interval_seconds:
+            self.reading, self.read_at = process_resources(self.role), now
+        return self.reading
+
+
 class StageTimer:
     """Accumulates wall-clock seconds per stage as `time/<stage>` until `pop`.
 

@@ -28,7 +28,7 @@ from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
 from molt.experience import split_at_version_changes
 from molt.loop_lag import LoopLagMonitor
-from molt.metrics import process_resources
+from molt.metrics import ProcessResourceSampler
 from molt.payloads import PayloadStore, default_node_id, offload_record
 from molt.wire import connect_dealer, pack, unpack
 
@@ -69,6 +69,7 @@ class RolloutService:
         self.workers.on_failure = self.report_worker_failure
         self.lag = LoopLagMonitor(f"rollout rank {self.rank}", RANK_LAG_ADVICE)
         self.lag.start()  # after start-up, which blocks this loop while the engine loads
+        self.resources = ProcessResourceSampler("rollout_rank")
         await self.send({"type": "ready", "rank": self.rank})
         handlers = {"rollout": self.run_rollout, "join_refit": self.join_refit, "refit": self.refit,
                     "leave_refit": self.leave_refit, "score": self.score}
@@ -135,7 +136,9 @@ class RolloutService:
         # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.
         outcome["loop_lag_max_seconds"] = max(outcome.get("loop_lag_max_seconds", 0.0), self.lag.take_max())
         outcome["rank"] = self.rank
-        outcome["rank_metrics"] = {**self.payloads.metrics(), **process_resources("rollout_rank")}
+        # Sent with every outcome, so nothing here may cost more as payloads pile up: no reclaim
+        # scan (the store's server thread reclaims), and /proc read about once a second.
+        outcome["rank_metrics"] = {**self.payloads.metrics(reclaim=False), **self.resources.read()}
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:
