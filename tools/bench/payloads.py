@@ -16,9 +16,15 @@ One run prints one JSON line per figure, then the command that produced them:
   held at once, so every destination page is touched for the first time, against a memcpy into
   fresh anonymous pages (reported, no target);
 - payloads_remote_bytes_per_second: remote reloads (fetch + free), against one raw ZeroMQ request
-  and a reply of the same bytes, sent and received without copies (target ratio >= 0.8).
+  and a reply of the same bytes, sent and received without copies (target ratio >= 0.8);
+- payloads_small_round_trip_seconds: what a training step of short experiences costs per
+  experience (the CPU demo's case): --small-count experiences of --small-tokens tokens offloaded
+  as light records while all stay live, then reloaded on the same node by another client, against
+  msgpack-encoding and decoding the same experiences whole (the path payloads replaced; reported,
+  no target).
 
     python tools/bench/payloads.py [--megabytes 8] [--tokens 32768] [--repeats 20] [--warmup 3]
+                                   [--small-count 512] [--small-tokens 64]
 """
 
 import argparse
@@ -33,13 +39,15 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
 import torch
 import zmq
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore, experience_tensors  # noqa: E402
+from molt.payloads import (  # noqa: E402
+    PayloadClient, PayloadRef, PayloadStore, experience_tensors, offload_record, reload_record)
 from molt.payloads.files import byte_view  # noqa: E402
 from molt.experience import Experience  # noqa: E402
 
@@ -176,6 +184,35 @@ def measure(owner: Owner, client: PayloadClient, baseline, repeats: int, warmup:
     return statistics.median(reloads[warmup:]), statistics.median(baselines[warmup:])
 
 
+def small_round_trips(count: int, tokens: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per experience of a step's offloads and reloads, and of the msgpack baseline."""
+    generator = torch.Generator().manual_seed(1)
+    experiences = [Experience(
+        token_ids=torch.randint(0, 150_000, (tokens,), generator=generator).tolist(),
+        action_mask=[0] * (tokens // 2) + [1] * (tokens - tokens // 2),
+        behavior_logprobs=(-torch.rand(tokens, generator=generator)).tolist(),
+        policy_versions=[-1] * (tokens // 2) + [3] * (tokens - tokens // 2), reward=1.0, score=1.0,
+        group_id=index, rollout_id=index) for index in range(count)]
+    store = PayloadStore("bench-small", budget_bytes=1 << 30)
+    consumer = PayloadClient("bench-small")  # same node, not the owner: marks consumed, as a trainer rank
+    rounds, baselines = [], []
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            lights = [offload_record(store, experience) for experience in experiences]
+            for light in lights:
+                reload_record(consumer, light)
+            rounds.append((time.perf_counter() - start) / count)
+            start = time.perf_counter()
+            for experience in experiences:
+                Experience(**msgpack.unpackb(msgpack.packb(experience.to_dict())))
+            baselines.append((time.perf_counter() - start) / count)
+    finally:
+        consumer.close()
+        store.close()
+    return statistics.median(rounds), statistics.median(baselines)
+
+
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
@@ -195,6 +232,7 @@ def run(args) -> None:
         remote.close()
         baselines.close()
         owner.close()
+    small_seconds, msgpack_seconds = small_round_trips(args.small_count, args.small_tokens, args.repeats)
     num_bytes = owner.bytes
     common = {"payload_bytes": num_bytes, "tokens": args.tokens, "repeats": args.repeats}
     emit({"figure": "payloads_same_node_bytes_per_second", **common, "value": round(num_bytes / warm),
@@ -211,6 +249,10 @@ def run(args) -> None:
           "ratio": round(raw_seconds / remote_seconds, 3), "target_ratio": 0.8,
           "seconds_median": round(remote_seconds, 6),
           "path": "fetch over loopback TCP (header + one raw frame per tensor, zero-copy), then free"})
+    emit({"figure": "payloads_small_round_trip_seconds", "experiences": args.small_count,
+          "tokens": args.small_tokens, "repeats": args.repeats, "value": round(small_seconds, 7),
+          "baseline_msgpack_seconds": round(msgpack_seconds, 7), "ratio": round(msgpack_seconds / small_seconds, 3),
+          "path": "offload_record of a step's experiences, all live, then reload_record of each by a same-node client"})
 
 
 def main() -> None:
@@ -219,6 +261,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the experience in each payload")
     parser.add_argument("--repeats", type=int, default=20, help="timed transfers per figure")
     parser.add_argument("--warmup", type=int, default=3, help="untimed transfers before the warm figures")
+    parser.add_argument("--small-count", type=int, default=512, help="experiences in the small-payload figure")
+    parser.add_argument("--small-tokens", type=int, default=64, help="tokens of each small experience")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the owner child
     args = parser.parse_args()
     if args.serve:
