@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.metrics import MetricsLogger, StageTimer, configure_logging
+from molt.metrics import MetricsLogger, ProcessResourceSampler, StageTimer, configure_logging
 
 
 def make_logger(output_dir: Path, **overrides) -> MetricsLogger:
@@ -175,3 +175,13 @@ def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline):
              if record.WhichOneof("record_type") == "history"]
     assert steps == [1, 2]
     assert [row["step"] for row in read_jsonl(output_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_process_resource_sampler_reads_proc_at_most_once_per_interval():
+    sampler = ProcessResourceSampler("probe", interval_seconds=3600)
+    first = sampler.read()
+    assert set(first) == {"process/probe_rss_bytes", "process/probe_open_fds"} and first["process/probe_rss_bytes"] > 0
+    assert sampler.read() is first  # within the interval: the last reading, /proc not read
+    sampler.interval_seconds = 0
+    second = sampler.read()
+    assert second is not first and set(second) == set(first)

@@ -179,12 +179,18 @@ def test_spill_past_the_budget_reloads_from_file_on_both_paths(node_id, spill_di
             metrics = store.metrics()
             assert metrics["payloads/spilled"] == 2 and metrics["payloads/spilled_bytes"] == 2 * spilled[0].nbytes
             assert metrics["payloads/segment_bytes"] <= 256 * KIB
+            assert (metrics["payloads/spill_files"], metrics["payloads/spill_file_bytes"]) == (2, 2 * spilled[0].nbytes)
+            assert (metrics["payloads/segments"], metrics["payloads/occupancy_bytes"]) == (1, kept.nbytes)
 
             assert_bit_exact(big, same_node.reload(wire(spilled[0])))
             assert_bit_exact(big, other_node.reload(wire(spilled[1])))
             assert_bit_exact(small, same_node.reload(wire(kept)))
             wait_for(lambda: store.metrics()["payloads/live"] == 0)
             assert list(spill_dir.iterdir()) == []
+            metrics = store.metrics(reclaim=False)  # the gauges follow frees without a scan
+            gauges = ("spill_files", "spill_file_bytes", "occupancy_bytes")
+            assert [metrics[f"payloads/{name}"] for name in gauges] == [0, 0, 0]
+            assert metrics["payloads/segments"] == metrics["payloads/pooled_segments"] == 1
 
             # A writer that dies between writing and renaming leaves only the .partial name.
             def crash(*args):
