@@ -77,6 +77,15 @@ def _models(trainables: dict) -> dict:
     return {name: (t.model, t.optimizer) for name, t in trainables.items() if t is not None}
 
 
+def _model_state(trainables: dict) -> dict:
+    """{name: {"model": ..., "optimizer": ...}}: the sharded state dicts dcp writes and reads."""
+    state = {}
+    for name, (model, optimizer) in _models(trainables).items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state[name] = {"model": model_sd, "optimizer": optim_sd}
+    return state
+
+
 def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dist.ProcessGroup, rank: int,
                     state: dict | None, keep_last: int) -> Path:
     """Collective over the trainer ranks; `state` (rank 0's pipeline state) is None elsewhere."""
@@ -87,11 +96,7 @@ def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dis
         shutil.rmtree(partial, ignore_errors=True)  # left by a writer killed earlier
         shutil.rmtree(final, ignore_errors=True)  # an incomplete one of this step (no marker)
     dist.barrier(group=group)
-    model_state = {}
-    for name, (model, optimizer) in _models(trainables).items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_state[name] = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(model_state, checkpoint_id=str(partial / "model"), process_group=group)
+    dcp.save(_model_state(trainables), checkpoint_id=str(partial / "model"), process_group=group)
     _write_json(partial / f"rng_rank{rank}.json", {"torch": _encode(torch.get_rng_state()),
                                                    "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()]
                                                    if torch.cuda.is_available() else []})
@@ -114,10 +119,7 @@ def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dis
 
 def load_checkpoint(path: Path, *, trainables: dict, group: dist.ProcessGroup, rank: int) -> dict:
     """Load weights, optimizer states and RNG states in place (collective); returns state.json."""
-    model_state = {}
-    for name, (model, optimizer) in _models(trainables).items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_state[name] = {"model": model_sd, "optimizer": optim_sd}
+    model_state = _model_state(trainables)  # filled in place by dcp.load, then set into the models
     dcp.load(model_state, checkpoint_id=str(path / "model"), process_group=group)
     for name, (model, optimizer) in _models(trainables).items():
         set_state_dict(model, optimizer, model_state_dict=model_state[name]["model"],

@@ -8,7 +8,6 @@ or Parquet and validated once, up front, so a bad row fails at start-up with its
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 import random

@@ -202,7 +202,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     import torch.distributed as dist
 
     from molt.rollout import run_rollout_rank
-    from molt.trainer import Trainer, remove_stale_metrics
+    from molt.trainer import Trainer
     from molt.wire import Router
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -223,7 +223,6 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     try:
         if rank == 0:
             logger.info("%s", describe_layout(cfg))
-            remove_stale_metrics(cfg)
             router = Router(host)
             store.set(CONTROLLER_KEY, router.address)
             Trainer(cfg, rank=rank, group=trainer_group, device=device, host=host, controller_address=router.address,

@@ -61,6 +61,8 @@ class Trainer:
         self.rollout_ranks = rollout_ranks
         self.timer = StageTimer()
         self.resume_path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir)
+        if self.is_controller and self.resume_path is None:
+            remove_stale_metrics(cfg.output_dir)
         self.metrics = MetricsLogger(wandb_run_id=read_wandb_run_id(self.resume_path),
                                      output_dir=cfg.output_dir, run_name=cfg.name, config=cfg.to_dict(),
                                      wandb_mode=cfg.metrics.wandb_mode, wandb_project=cfg.metrics.wandb_project,
@@ -318,9 +320,8 @@ def _pad_token_id(model) -> int:
     return 0
 
 
-def remove_stale_metrics(cfg: MoltConfig) -> None:
-    """A fresh run starts fresh metrics.jsonl and prompts.jsonl; a resumed one appends to them."""
-    if resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir) is not None:
-        return
+def remove_stale_metrics(output_dir: str) -> None:
+    """A fresh run starts fresh metrics.jsonl and prompts.jsonl (the logger appends to them, so
+    that a resumed run continues them)."""
     for name in ("metrics.jsonl", "prompts.jsonl"):
-        Path(cfg.output_dir, name).unlink(missing_ok=True)
+        Path(output_dir, name).unlink(missing_ok=True)
