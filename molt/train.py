@@ -132,16 +132,10 @@ def job_host(environ: dict) -> str:
 
 
 def describe_layout(cfg: MoltConfig) -> str:
-    lines = [f"world size {cfg.world_size}: {cfg.layout.num_trainer_ranks} trainer + "
-             f"{cfg.layout.num_rollout_ranks} rollout ranks"]
-    for rank in range(cfg.world_size):
-        if rank < cfg.layout.num_trainer_ranks:
-            role = "trainer (FSDP2 dp shard)" + (" + rollout controller + refit sender" if rank == 0 else "")
-        else:
-            role = (f"rollout: vLLM engine (tensor parallel {cfg.layout.engine_tensor_parallel_size}) + "
-                    f"{cfg.rollout.num_agent_workers} agent worker process(es)")
-        lines.append(f"  rank {rank}: {role}")
-    return "\n".join(lines)
+    """Each rank's role (and on GPUs its node and GPUs), as --dry-run prints it."""
+    from molt.dry_run import describe_placements, place_ranks
+
+    return "\n".join(describe_placements(cfg, place_ranks(cfg.layout)))
 
 
 def dry_run(cfg: MoltConfig) -> int:
