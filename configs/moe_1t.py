@@ -1,16 +1,17 @@
 """A 1T-parameter MoE (the shape of Kimi K2 as DeepseekV3ForCausalLM: 1.03T parameters, 33B
-active) on 16 nodes x 8 GPUs: 64 FSDP2 trainer ranks on nodes 0-7, 8 vLLM engines of tensor
-parallel 8 on nodes 8-15 (one rollout rank per node; vLLM's workers take its 8 GPUs).
+active) on 24 nodes x 8 GPUs: 128 FSDP2 trainer ranks on nodes 0-15, 8 vLLM engines of tensor
+parallel 8 on nodes 16-23 (one rollout rank per node; vLLM's workers take its 8 GPUs).
 
 Bring a bf16 checkpoint of this architecture as $MOLT_CHECKPOINTS/moe-1t and the math data as in
 configs/qwen3_30b_a3b_math_tool.py. `--dry-run` reads the architecture from configs/hf/moe-1t.
 
 Why these numbers: Molt's engines are single-node and serve model.dtype unquantized, so one engine
 holds 1.03T x 2 bytes / 8 = ~239 GiB per GPU: this needs 288 GB (268 GiB) GPUs (B300 class); on
-141 GB H200s --dry-run fails naming layout.gpu_memory_gigabytes. Trainer ranks shard weights,
-gradients and AdamW states (8 bytes/param) 64 ways (~120 GiB) and gather one 17B-parameter MoE
-block (~32 GiB) at a time. What Molt cannot do yet for this layout (--dry-run prints it): start a
-different number of processes per node, and pin each engine to its GPUs.
+141 GB H200s --dry-run fails naming layout.gpu_memory_gigabytes. Trainer ranks keep float32 master
+weights, gradients and AdamW states (16 bytes/param) sharded 128 ways (~120 GiB) and gather one
+17B-parameter MoE block in bf16 at a time (with its float32 gradient on the way to the
+reduce-scatter, ~95 GiB); 64 ranks would need ~240 GiB for the state alone. What Molt cannot do yet
+for this layout (--dry-run prints it): start a different number of processes per node.
 """
 
 import os
@@ -32,7 +33,7 @@ def config() -> MoltConfig:
     cfg.agent.path = str(HERE / "agents" / "math_tool_openai.py")
     cfg.agent.rollout_timeout_seconds = 1800.0
     cfg.agent.max_concurrent_rollouts = 512
-    cfg.layout.num_trainer_ranks = 64
+    cfg.layout.num_trainer_ranks = 128
     cfg.layout.num_rollout_ranks = 8
     cfg.layout.engine_tensor_parallel_size = 8
     cfg.layout.gpus_per_node = 8
@@ -49,6 +50,14 @@ def config() -> MoltConfig:
     cfg.train.weight_decay = 0.01
     cfg.train.max_grad_norm = 1.0
     cfg.train.max_tokens_per_micro_batch = 16384
+    cfg.train.param_dtype = "float32"  # master weights and AdamW state; bf16 forward/backward
+    cfg.train.compute_dtype = "bfloat16"
+    cfg.train.activation_checkpointing = "full"
+    cfg.train.logprob_chunk_tokens = 1024
+    cfg.train.lr_schedule = "cosine"
+    cfg.train.warmup_steps = 10
+    cfg.train.min_lr_ratio = 0.1
+    cfg.train.no_weight_decay_on = ("norms", "biases", "embeddings")
     cfg.algorithm.advantage_estimator = "grpo"
     cfg.algorithm.clip_eps_high = 0.28
     cfg.algorithm.filter_groups = True

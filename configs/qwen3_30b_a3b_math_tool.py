@@ -6,8 +6,9 @@ directory), data.train_path is $MOLT_DATA/math/train.jsonl (rows {"prompt": ...,
 e.g. GSM8K or DAPO-Math-17k converted); or --set either. `--dry-run` needs neither: it reads the
 architecture from configs/hf/qwen3-30b-a3b (model.config_path).
 
-GPUs: 80 GiB class (layout.gpu_memory_gigabytes); a trainer rank holds 1/8 of the bf16 weights,
-gradients and AdamW states (~28 GiB), an engine the whole bf16 model (~57 GiB) plus its KV cache.
+GPUs: 80 GiB class (layout.gpu_memory_gigabytes). Trainer ranks keep float32 master weights,
+gradients and AdamW states (16 B/param: 1/8 of them is ~57 GiB per rank) and compute in bf16 with
+every decoder block checkpointed; the engines serve bf16 (~57 GiB for the whole model) plus KV cache.
 """
 
 import os
@@ -46,6 +47,17 @@ def config() -> MoltConfig:
     cfg.train.weight_decay = 0.01
     cfg.train.max_grad_norm = 1.0
     cfg.train.max_tokens_per_micro_batch = 16384
+    # Precision and memory (docs/training.md): float32 master weights and AdamW state, bf16
+    # forward/backward, every block's activations recomputed in backward, log-probs in chunks.
+    cfg.train.param_dtype = "float32"
+    cfg.train.compute_dtype = "bfloat16"
+    cfg.train.activation_checkpointing = "full"
+    cfg.train.logprob_chunk_tokens = 1024
+    cfg.train.lr_schedule = "cosine"
+    cfg.train.warmup_steps = 10
+    cfg.train.min_lr_ratio = 0.1
+    cfg.train.no_weight_decay_on = ("norms", "biases", "embeddings")
+    cfg.train.mini_batches_per_step = 2  # two PPO mini-batches per rollout batch (decoupled PPO)
     cfg.algorithm.advantage_estimator = "grpo"
     cfg.algorithm.clip_eps_high = 0.28  # DAPO's clip-higher
     cfg.algorithm.filter_groups = True  # DAPO dynamic sampling: drop all-right and all-wrong groups

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -10,97 +12,142 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
-from molt.batch import MicroBatch
+from molt.batch import MicroBatch, build_micro_batches
+from molt.experience import Experience
+from molt.hf_checkpoint import build_empty_model, load_sharded_weights
+from molt.logprobs import compute_chunked_logprobs
 from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
                              compute_ppo_clip_loss, token_entropy_from_logits)
+from molt.optimizer import OptimizerSettings, build_optimizer
+from molt.parallelize import ShardingPlan, shard_causal_lm
 
 logger = logging.getLogger("molt")
 
 
-def build_actor_model(
-    model_path: str,
-    *,
-    mesh: DeviceMesh,
-    device: torch.device,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Load a Hugging Face causal LM and shard it with FSDP2 over `mesh` (the trainer group only).
+def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan,
+                      logprob_chunk_tokens: int = 1024) -> nn.Module:
+    """A Hugging Face causal LM, sharded with FSDP2 over `mesh` (the trainer group only) and loaded
+    without ever holding the whole model on one rank.
 
-    Each decoder block is its own FSDP unit; the root unit holds the embeddings, final norm and
-    LM head, so tied input/output embeddings stay one shared parameter inside one unit. FSDP moves
-    the shards onto the mesh's device; the full model only ever exists in host memory.
-    Parameter names stay the Hugging Face names (FSDP2 adds no wrapper prefixes), which is what
-    vLLM's `load_weights` expects at refit.
-
-    Args:
-        dtype: the stored parameter dtype (and so the optimizer state's).
-        compute_dtype: if set, parameters are cast to it for forward/backward while gradients are
-            reduced in float32 (FSDP2 mixed precision); e.g. dtype=float32, compute_dtype=bfloat16.
+    The model is built on the meta device, its LM head becomes a `ScoringHead` (chunked log-probs),
+    `shard_model` applies the plan (activation checkpointing, mixed precision, offload, one FSDP unit
+    per decoder block and the root), and then each rank reads only its own slices of the safetensors
+    files (molt.hf_checkpoint). Parameter names stay the Hugging Face names (FSDP2 adds no wrapper
+    prefixes), which is what vLLM's weight loading expects at refit.
     """
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model.config.use_cache = False
-    mp_policy = MixedPrecisionPolicy()
-    if compute_dtype is not None:
-        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    shard_causal_lm(model, mesh=mesh, mp_policy=mp_policy)
+    model = build_empty_model(model_path, dtype=plan.param_dtype)
+    install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
+    shard_causal_lm(model, mesh=mesh, plan=plan)
+    report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
+    if report.missing:
+        raise RuntimeError(f"{model_path} has no weights for {len(report.missing)} parameters of its own "
+                           f"architecture, e.g. {report.missing[:3]}: is it a complete Hugging Face checkpoint?")
     if model.config.tie_word_embeddings and model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("sharding untied the input and output embeddings of a tied model")
     return model
 
 
-def shard_causal_lm(model: nn.Module, *, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
-    """Apply FSDP2 in place: one unit per decoder block (`model.model.layers`), then the root unit
-    (embeddings, final norm, LM head). `molt.dry_run` shards a meta-device copy the same way."""
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+class ScoringHead(nn.Module):
+    """A causal LM's linear LM head that can also score tokens without materializing the logits.
+
+    It takes the place of `lm_head` holding the same weight Parameter (so parameter names, tied
+    embeddings and FSDP2 units are unchanged). Called plainly it returns logits, like the head it
+    replaces; inside `scoring(...)` the model's forward returns, in place of the logits, each
+    position's log-prob of its target token (and the entropy) computed in chunks of
+    `chunk_tokens` positions (molt.logprobs), inside the root unit's forward, where FSDP2 has the
+    weight gathered.
+    """
+
+    def __init__(self, weight: nn.Parameter, *, chunk_tokens: int) -> None:
+        super().__init__()
+        self.weight = weight
+        self.chunk_tokens = chunk_tokens
+        self.request: tuple[torch.Tensor, float, bool] | None = None  # (targets, temperature, with_entropy)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.request is None:
+            return F.linear(hidden, self.weight)
+        targets, temperature, with_entropy = self.request
+        logprobs, entropy = compute_chunked_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1), temperature=temperature,
+            chunk_tokens=self.chunk_tokens, with_entropy=with_entropy)
+        columns = [logprobs, entropy] if with_entropy else [logprobs]
+        # A fresh tensor, not a view: FSDP2 hooks the root module's outputs for backward.
+        return torch.stack([column.view(hidden.shape[:-1]) for column in columns], dim=-1)  # [batch, seq, 1 or 2]
 
 
-def _next_token_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
-    """[batch, seq - 1, vocab] logits / temperature predicting tokens 1.. (at least float32)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    # At least float32 (bf16 log-probs are too coarse for importance ratios), float64 stays float64.
-    return logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+def install_scoring_head(model: nn.Module, *, chunk_tokens: int) -> None:
+    """Replace the model's linear LM head by a `ScoringHead` over the same weight."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"{type(model).__name__}'s LM head is {type(head).__name__}"
+                         f"{' with a bias' if isinstance(head, nn.Linear) else ''}: Molt scores tokens with a "
+                         f"bias-free linear head (the Hugging Face causal LMs it trains have one)")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} soft-caps its logits (final_logit_softcapping="
+                         f"{model.config.final_logit_softcapping}), which Molt's chunked log-probs do not apply")
+    model.set_output_embeddings(ScoringHead(head.weight, chunk_tokens=chunk_tokens))
 
 
-def _gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    targets = input_ids[:, 1:].unsqueeze(-1)  # [batch, seq - 1, 1]
-    return F.pad(logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1), (1, 0))
+def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: float, with_entropy: bool = False,
+                 attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[rows, len] log p(token t | the tokens before it in its sequence) under logits / temperature
+    (at least float32), and with `with_entropy` the entropy of that distribution; 0 at each
+    sequence's first token (column 0, or where `position_ids` is 0 in a packed row).
+
+    A model with a `ScoringHead` computes both in chunks, never holding [tokens, vocab] logits; a
+    plain Hugging Face model (tests, tools) goes through its full logits. Padded rows must be
+    right-padded (positions then count from 0 in every row).
+    """
+    targets = torch.roll(input_ids, -1, dims=-1)  # position t predicts token t + 1
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    head = model.get_output_embeddings()
+    if isinstance(head, ScoringHead):
+        head.request = (targets, temperature, with_entropy)
+        try:
+            scores = model(**inputs).logits  # [rows, len, 1 or 2]
+        finally:
+            head.request = None
+        logprobs, entropy = scores[..., 0], scores[..., 1] if with_entropy else None
+    else:
+        logits = model(**inputs).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        entropy = token_entropy_from_logits(logits) if with_entropy else None
+    return _align(logprobs, position_ids), _align(entropy, position_ids) if with_entropy else None
+
+
+def _align(per_position: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """Shift what position t computed for token t + 1 onto column t + 1; 0 at sequence starts."""
+    shifted = F.pad(per_position[..., :-1], (1, 0))
+    return shifted if position_ids is None else shifted.masked_fill(position_ids == 0, 0.0)
 
 
 def compute_token_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
 ) -> torch.Tensor:
-    """[batch, seq] log p(input_ids[:, t] | input_ids[:, :t]) under logits / temperature; column 0 is 0.
-
-    Uses gather minus logsumexp, so no [batch, seq, vocab] log-softmax is kept beyond the
-    float32 logits themselves. Expects right padding (positions then count from 0 in every row).
-    """
-    return _gather_logprobs(_next_token_logits(model, input_ids, attention_mask, temperature), input_ids)
+    """[batch, seq] log p(input_ids[:, t] | input_ids[:, :t]) of right-padded rows; column 0 is 0."""
+    return score_tokens(model, input_ids, attention_mask=attention_mask, temperature=temperature)[0]
 
 
-def compute_token_logprobs_and_entropy(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compute_token_logprobs` plus the entropy of each token's distribution ([batch, seq], column
-    0 is 0), from the same forward."""
-    logits = _next_token_logits(model, input_ids, attention_mask, temperature)
-    return _gather_logprobs(logits, input_ids), F.pad(token_entropy_from_logits(logits), (1, 0))
+def score_micro_batch(model: nn.Module, micro_batch: MicroBatch, *, temperature: float,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`score_tokens` of a micro-batch, padded or packed, as [batch, seq] rows."""
+    logprobs, entropy = score_tokens(model, temperature=temperature, with_entropy=with_entropy,
+                                     **micro_batch.model_inputs())
+    return micro_batch.to_rows(logprobs), micro_batch.to_rows(entropy) if with_entropy else None
 
 
 @dataclass(kw_only=True)
 class PolicyLoss:
-    """Which terms make up the policy loss (README: Objectives); all divide by the window's tokens."""
+    """Which terms make up the policy loss (docs/objectives.md); all divide by the window's tokens."""
 
     clip_eps_low: float
     clip_eps_high: float
@@ -142,12 +189,24 @@ def compute_window_denominator(
     return float(max(window_tokens.item(), 1))
 
 
-def step_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float
-) -> float:
-    """Clip the global gradient norm, step, zero the gradients; returns the pre-clip norm.
+@dataclass(kw_only=True)
+class WindowResult:
+    """One optimizer window: this window's statistics summed over micro-batches and ranks."""
 
-    `max_grad_norm <= 0` disables clipping (the norm is still measured).
+    totals: dict[str, float]  # "loss" (the window's token-mean loss), "action_tokens", objective sums
+    grad_norm: float  # global, before clipping (nan/inf when not finite)
+    stepped: bool  # False: a non-finite loss or gradient norm on some rank; no optimizer step anywhere
+
+
+def step_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                   loss_is_finite: bool) -> tuple[float, bool]:
+    """Clip the global gradient norm and step, unless the loss or the norm is not finite; zero the
+    gradients either way. Returns (pre-clip norm, whether the optimizer stepped).
+
+    Both inputs are the same on every rank (the loss all-reduced, the norm from the sharded partial
+    norms), so every rank takes the same decision without another collective: a NaN or inf on any
+    rank skips the update everywhere, and bad weights never exist. `max_grad_norm <= 0` disables
+    clipping (the norm is still measured).
     """
     parameters = [p for p in model.parameters() if p.grad is not None]
     grad_norm = 0.0
@@ -155,84 +214,72 @@ def step_optimizer(
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
         if isinstance(total_norm, DTensor):
             total_norm = total_norm.full_tensor()  # sharded partial norms -> global norm
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total_norm)
         grad_norm = total_norm.item()
-    optimizer.step()
+    stepped = loss_is_finite and math.isfinite(grad_norm)
+    if stepped:
+        if max_grad_norm > 0 and parameters:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total_norm)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return grad_norm, stepped
 
 
 class TrainableModel:
-    """An FSDP2 model with its own AdamW and one optimizer step per window; gradients are summed
-    across the data-parallel ranks (the losses divide by the window's global token count).
+    """An FSDP2 model with its own AdamW (molt.optimizer) and one optimizer step per window;
+    gradients are summed across the data-parallel ranks (the losses divide by the window's global
+    token count). The LR schedule advances once per training step (`advance_schedule`).
 
     Every method that runs the model is collective over `group`: all trainer ranks call it,
     with the same number of micro-batches.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        group: dist.ProcessGroup,
-        device: torch.device,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        max_grad_norm: float = 1.0,
-    ) -> None:
+    def __init__(self, model: nn.Module, *, group: dist.ProcessGroup, device: torch.device,
+                 optimizer: OptimizerSettings, max_grad_norm: float = 1.0) -> None:
         self.model = model
         self.group = group
         self.device = device
         self.max_grad_norm = max_grad_norm
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, eps=eps
-        )
+        self.optimizer, self.scheduler = build_optimizer(model, optimizer)
         set_gradient_sum_reduction(model)
 
-    def step_optimizer(self) -> float:
-        """Clip the global gradient norm, step AdamW, zero the gradients; returns the pre-clip norm."""
-        return step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm)
+    def step_optimizer(self, loss_is_finite: bool = True) -> tuple[float, bool]:
+        """See `step_optimizer`: (pre-clip norm, whether AdamW stepped)."""
+        return step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm,
+                              loss_is_finite=loss_is_finite)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def advance_schedule(self) -> None:
+        """After a training step: the next step's learning rate."""
+        self.scheduler.step()
+
+    def schedule_state(self) -> dict:
+        return {key: value for key, value in self.scheduler.state_dict().items() if key != "lr_lambdas"}
+
+    def load_schedule_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 class Actor(TrainableModel):
     """The policy being trained (see TrainableModel); log-probs at the sampling `temperature`."""
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, **optimizer) -> None:
-        super().__init__(model, **optimizer)
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, **settings) -> None:
+        super().__init__(model, **settings)
         self.temperature = temperature
 
-    def train_window(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> dict[str, float]:
-        """One optimizer step over all micro-batches; returns metrics reduced over the trainer group."""
+    def train_window(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> WindowResult:
+        """One optimizer step over the window's micro-batches (skipped if anything is not finite)."""
         sums = self.compute_window_gradients(micro_batches, loss)
-        grad_norm = self.step_optimizer()
         names = sorted(sums)  # every rank has the same terms, so the same names
         totals = torch.stack([sums[name] for name in names])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
         total = dict(zip(names, totals.tolist()))
-        per_token = 1.0 / max(total["action_tokens"], 1.0)
-        metrics = {
-            "loss": total["loss"],
-            "grad_norm": grad_norm,
-            "clip_fraction": total["clipped_tokens"] * per_token,
-            "ratio_mean": total["ratio_sum"] * per_token,
-            # KL(behaviour || trainer) per token: how far the engine's sampler is from the trainer.
-            "mismatch_kl": total.get("mismatch_kl_sum", total["approx_kl_sum"]) * per_token,
-            "num_action_tokens": total["action_tokens"],
-            "lr": self.optimizer.param_groups[0]["lr"],
-        }
-        if loss.dual_clip:
-            metrics["dual_clip_fraction"] = total["dual_clipped_tokens"] * per_token
-        if loss.importance:
-            metrics["importance_rejected_share"] = total["rejected_tokens"] * per_token
-            metrics["importance_weight_mean"] = total["weight_sum"] / max(total["kept_tokens"], 1.0)
-        if "ref_kl_sum" in total:
-            metrics["ref_kl"] = total["ref_kl_sum"] * per_token
-        if "entropy_sum" in total:
-            metrics["entropy"] = total["entropy_sum"] * per_token
-        return metrics
+        grad_norm, stepped = self.step_optimizer(loss_is_finite=math.isfinite(total["loss"]))
+        return WindowResult(totals=total, grad_norm=grad_norm, stepped=stepped)
 
     def compute_window_gradients(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> dict[str, torch.Tensor]:
         """Accumulate the token-mean gradient of the window into `.grad`.
@@ -259,20 +306,19 @@ class Actor(TrainableModel):
                           denominator: float) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """The loss terms of one micro-batch and their statistics (masked sums)."""
         mask = micro_batch.action_mask
-        if loss.entropy_coef > 0:
-            logprobs, entropy = compute_token_logprobs_and_entropy(
-                self.model, micro_batch.input_ids, micro_batch.attention_mask, temperature=self.temperature)
-        else:
-            logprobs = compute_token_logprobs(
-                self.model, micro_batch.input_ids, micro_batch.attention_mask, temperature=self.temperature)
+        logprobs, entropy = score_micro_batch(self.model, micro_batch, temperature=self.temperature,
+                                              with_entropy=loss.entropy_coef > 0)
         stats: dict[str, torch.Tensor] = {}
         weights, ratio_base = None, micro_batch.behavior_logprobs
         if loss.importance is not None:
-            # Decoupled correction: the PPO ratio is taken against the trainer's own log-probs before
-            # this step (one optimizer step per window, so the current ones, detached), and the
-            # engine/trainer mismatch is corrected by the importance weight of each token.
+            # Decoupled PPO: the ratio is taken against the proximal policy (the actor before the
+            # step's first update: recorded by a no-grad pass when the step has several windows, the
+            # current log-probs detached when it has one), and the engine/trainer mismatch is
+            # corrected by each token's importance weight against the behaviour log-probs.
             level, mode, low, high = loss.importance
-            ratio_base = logprobs.detach()
+            ratio_base = micro_batch.proximal_logprobs
+            if ratio_base is None:
+                ratio_base = logprobs.detach()
             weights, importance_stats = compute_importance_weights(
                 ratio_base, micro_batch.behavior_logprobs, mask, level=level, mode=mode, low=low, high=high)
             stats.update(importance_stats)
@@ -295,16 +341,77 @@ class Actor(TrainableModel):
         return terms, stats
 
     @torch.no_grad()
-    def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[batch, seq] token log-probs under the current weights (collective over the group)."""
+    def score(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """[batch, seq] token log-probs of a micro-batch under the current weights (collective)."""
         self.model.eval()
-        logprobs = compute_token_logprobs(
-            self.model,
-            input_ids.to(self.device),
-            attention_mask.to(self.device),
-            temperature=self.temperature,
-        )
+        logprobs, _ = score_micro_batch(self.model, micro_batch.to(self.device), temperature=self.temperature)
         # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
         # later forward would then reuse them even after the optimizer changed the shards.
         self.model.reshard()
         return logprobs
+
+    @torch.no_grad()
+    def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] token log-probs of right-padded rows under the current weights (collective)."""
+        self.model.eval()
+        logprobs = compute_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
+                                          temperature=self.temperature)
+        self.model.reshard()  # see score
+        return logprobs
+
+
+def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_windows: int) -> dict[str, float]:
+    """The step's policy metrics from its windows: per-token statistics pooled over every window
+    run (all epochs), the loss and gradient norm averaged over the windows that stepped."""
+    total: dict[str, float] = {}
+    for result in results:
+        for name, value in result.totals.items():
+            total[name] = total.get(name, 0.0) + value
+    per_token = 1.0 / max(total.get("action_tokens", 0.0), 1.0)
+    stepped = [result for result in results if result.stepped]
+    metrics = {
+        "loss": statistics.fmean(r.totals["loss"] for r in stepped) if stepped else math.nan,
+        "grad_norm": statistics.fmean(r.grad_norm for r in stepped) if stepped else math.nan,
+        "clip_fraction": total.get("clipped_tokens", 0.0) * per_token,
+        "ratio_mean": total.get("ratio_sum", 0.0) * per_token,
+        # KL(behaviour || trainer) per token: how far the engine's sampler is from the trainer.
+        "mismatch_kl": total.get("mismatch_kl_sum", total.get("approx_kl_sum", 0.0)) * per_token,
+        "num_action_tokens": sum(r.totals.get("action_tokens", 0.0) for r in results[:num_windows]),
+        "optimizer_steps": float(len(stepped)),
+    }
+    if loss.dual_clip:
+        metrics["dual_clip_fraction"] = total.get("dual_clipped_tokens", 0.0) * per_token
+    if loss.importance:
+        metrics["importance_rejected_share"] = total.get("rejected_tokens", 0.0) * per_token
+        metrics["importance_weight_mean"] = total.get("weight_sum", 0.0) / max(total.get("kept_tokens", 0.0), 1.0)
+    if "ref_kl_sum" in total:
+        metrics["ref_kl"] = total["ref_kl_sum"] * per_token
+    if "entropy_sum" in total:
+        metrics["entropy"] = total["entropy_sum"] * per_token
+    return metrics
+
+
+def check_packing(actor: Actor, pad_token_id: int, compute_dtype: torch.dtype) -> bool:
+    """Whether the model keeps attention within each sequence of a packed row: score two short
+    random sequences packed and padded (collective, a few positions). Hugging Face's sdpa, eager and
+    flash attention implementations honour per-sequence position ids; one that does not would let a
+    sequence attend to the one before it, so packing is then turned off with a warning."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = actor.model.config.vocab_size
+    experiences = []
+    for rollout_id, length in enumerate((7, 5)):
+        token_ids = torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+        experiences.append(Experience(token_ids=token_ids, action_mask=[0] + [1] * (length - 1),
+                                      behavior_logprobs=[0.0] * length, policy_versions=[0] * length,
+                                      reward=0.0, score=0.0, group_id=0, rollout_id=rollout_id))
+    packed, padded = (build_micro_batches(experiences, max_tokens_per_micro_batch=64, pad_token_id=pad_token_id,
+                                          packing=packing)[0] for packing in (True, False))
+    mask = padded.attention_mask.to(actor.device)
+    gap = ((actor.score(packed) - actor.score(padded)).abs() * mask).max().item()
+    tolerance = 1e-3 if compute_dtype.itemsize >= 4 else 5e-2  # bf16 kernels differ more; a leak differs by far more
+    if gap <= tolerance:
+        return True
+    logger.warning("train.packing: packed and padded log-probs differ by %.3g (> %.0e) under attention "
+                   "implementation %r, which does not keep packed sequences apart; training pads instead",
+                   gap, tolerance, getattr(actor.model.config, "_attn_implementation", "?"))
+    return False

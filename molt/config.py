@@ -121,15 +121,51 @@ class TrainConfig:
     num_steps: int = 100
     """Optimizer steps to run."""
     learning_rate: float = 1e-5
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate (lr_schedule shapes it over the steps)."""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine: the learning rate after warmup, set per training step, decaying from
+    learning_rate toward min_lr_ratio x learning_rate over train.num_steps (docs/training.md)."""
+    warmup_steps: int = 0
+    """Training steps of linear warmup: step s <= warmup_steps uses learning_rate x s / warmup_steps."""
+    min_lr_ratio: float = 0.0
+    """linear, cosine: where the decay ends, as a share of learning_rate (reached just after the last step)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
+    no_weight_decay_on: tuple[str, ...] = ()
+    """Parameters exempt from weight decay: any of norms, biases, embeddings (e.g. (norms, biases))."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     max_tokens_per_micro_batch: int = 8192
-    """Padded tokens (rows x longest row) per forward/backward on one trainer rank."""
+    """Tokens per forward/backward on one trainer rank: packed tokens with packing, else rows x longest row."""
+    param_dtype: str = "float32"
+    """Stored (master) dtype of trained weights, their gradients and AdamW state: float32 | bfloat16 |
+    float64. The engines serve model.dtype; refit casts to it."""
+    compute_dtype: str = ""
+    """Forward/backward dtype through FSDP2 mixed precision (gradients reduced in float32): float32 |
+    bfloat16 | float16 | float64; '' = model.dtype, what the engines compute in."""
+    activation_checkpointing: str = "none"
+    """none | full (every decoder block) | every_n:<k> (blocks 0, k, 2k, ...): keep only the block's
+    input and recompute its activations in backward."""
+    cpu_offload: bool = False
+    """GPU only: parameters, gradients and AdamW state live in host memory between uses (FSDP2
+    CPUOffloadPolicy), a GPU memory control; refused on CPU runs."""
+    logprob_chunk_tokens: int = 1024
+    """Positions per chunk of the LM head when computing log-probs and entropy: no [tokens, vocab]
+    tensor beyond chunk x vocab is alive (peak about 3 x chunk x vocab x 4 bytes)."""
+    packing: bool = True
+    """Pack a micro-batch's experiences into one row without padding (per-sequence positions,
+    attention kept within each sequence); False pads each experience to the longest row."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per rollout batch: the batch is split into this many windows (PPO mini-batches)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch's windows; mini_batches_per_step x ppo_epochs optimizer steps a step."""
+    max_consecutive_nonfinite_steps: int = 3
+    """A step with a NaN/inf loss or gradient norm takes no optimizer step and pushes no weights;
+    this many in a row stop the job."""
 
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "group_mean", "rloo")
@@ -353,9 +389,14 @@ def _convert(raw: str, hint, key: str):
         if hint in (int, float, str):
             return hint(raw)
         if origin in (tuple, list):
-            values = json.loads(raw if raw.startswith("[") else f"[{raw}]")
             args = typing.get_args(hint)
             item_type = args[0] if args else str
+            try:
+                values = json.loads(raw if raw.startswith("[") else f"[{raw}]")
+            except json.JSONDecodeError:
+                if item_type is not str:
+                    raise
+                values = [v.strip() for v in raw.strip("[]").split(",") if v.strip()]  # norms,biases
             return origin(item_type(v) for v in values)
         if origin in (typing.Union, types.UnionType):
             return json.loads(raw)
@@ -465,6 +506,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
           f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")
     check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
+    check_trainer_options(train, rollout, check)
     check(algo.max_staleness >= 0, f"algorithm.max_staleness={algo.max_staleness}: must be >= 0 (0 = synchronous)")
     check(not rollout.partial_rollout or level != "off",
           f"rollout.partial_rollout=True continues rollouts under new weights, so one experience holds tokens "
@@ -491,8 +533,69 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(cfg.refit.max_attempts >= 1, f"refit.max_attempts={cfg.refit.max_attempts}: must be >= 1")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
           f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")
+    if cfg.device == "cpu":
+        try:
+            check_cpu_offload(cfg, "cpu")
+        except ConfigError as error:
+            check(False, str(error))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
+
+
+def parse_activation_checkpointing(spec: str) -> int:
+    """train.activation_checkpointing as a block stride: 0 = none, 1 = every block, k = every k-th."""
+    if spec == "none":
+        return 0
+    if spec == "full":
+        return 1
+    match = re.fullmatch(r"every_n:(\d+)", spec)
+    if match is None or int(match[1]) < 1:
+        raise ConfigError(f"train.activation_checkpointing={spec!r}: use none, full or every_n:<k> with k >= 1 "
+                          f"(e.g. every_n:2 checkpoints blocks 0, 2, 4, ...)")
+    return int(match[1])
+
+
+def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> None:
+    """The train section's precision, memory and optimizer options."""
+    check(train.param_dtype in DTYPES, f"train.param_dtype={train.param_dtype!r}: use one of {', '.join(DTYPES)}")
+    check(train.compute_dtype in ("",) + DTYPES,
+          f"train.compute_dtype={train.compute_dtype!r}: use '' (model.dtype) or one of {', '.join(DTYPES)}")
+    try:
+        parse_activation_checkpointing(train.activation_checkpointing)
+    except ConfigError as error:
+        check(False, str(error))
+    check(train.logprob_chunk_tokens >= 1, f"train.logprob_chunk_tokens={train.logprob_chunk_tokens}: need at least 1")
+    check(train.lr_schedule in LR_SCHEDULES,
+          f"train.lr_schedule={train.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
+    check(0 <= train.warmup_steps <= train.num_steps,
+          f"train.warmup_steps={train.warmup_steps}: must be in [0, train.num_steps={train.num_steps}]")
+    check(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio={train.min_lr_ratio}: must be in [0, 1]")
+    check(train.learning_rate > 0, f"train.learning_rate={train.learning_rate}: must be > 0")
+    check(train.adam_eps > 0, f"train.adam_eps={train.adam_eps}: must be > 0")
+    unknown = [name for name in train.no_weight_decay_on if name not in NO_DECAY_GROUPS]
+    check(not unknown, f"train.no_weight_decay_on={tuple(train.no_weight_decay_on)}: unknown {unknown}; "
+                       f"use any of {', '.join(NO_DECAY_GROUPS)}")
+    check(train.mini_batches_per_step >= 1,
+          f"train.mini_batches_per_step={train.mini_batches_per_step}: need at least 1")
+    check(train.mini_batches_per_step <= rollout.prompts_per_step * rollout.n_samples_per_prompt,
+          f"train.mini_batches_per_step={train.mini_batches_per_step} exceeds the rollouts of a step "
+          f"(rollout.prompts_per_step x n_samples_per_prompt = {rollout.prompts_per_step * rollout.n_samples_per_prompt})")
+    check(train.ppo_epochs >= 1, f"train.ppo_epochs={train.ppo_epochs}: need at least 1")
+    check(train.max_consecutive_nonfinite_steps >= 1,
+          f"train.max_consecutive_nonfinite_steps={train.max_consecutive_nonfinite_steps}: need at least 1")
+
+
+def check_cpu_offload(cfg: MoltConfig, device_type: str) -> None:
+    """train.cpu_offload is a GPU memory control: refused where the trainer computes on CPU."""
+    if cfg.train.cpu_offload and device_type == "cpu":
+        raise ConfigError("train.cpu_offload=True on a CPU run: it keeps parameters, gradients and AdamW state in "
+                          "host memory to save GPU memory, and a CPU trainer holds them there already; set "
+                          "train.cpu_offload=false (or run on GPUs)")
 
 
 def build_arg_parser(description: str) -> argparse.ArgumentParser:

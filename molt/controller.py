@@ -253,8 +253,9 @@ class RolloutController:
         """Dispatched rollouts not yet consumed or dropped: running, or back in a group not yet released."""
         return sum(len(group.pending) + len(group.outcomes) for group in self._queue)
 
-    def collect_step(self, policy_version: int) -> StepRollouts:
-        """The groups of the step that trains `policy_version` -> `policy_version + 1`.
+    def collect_step(self, policy_version: int, step: int | None = None) -> StepRollouts:
+        """The groups of training step `step` (default policy_version + 1; later when steps with a
+        non-finite loss left the version where it was), which trains `policy_version` -> `policy_version + 1`.
 
         First tops up the dispatch window (see the module docstring), then releases groups in
         dispatch order until the step has rollout.prompts_per_step groups. Under
@@ -265,7 +266,7 @@ class RolloutController:
         prompts_per_step groups and no finished group is thrown away for being one too many."""
         target, algo = self.cfg.rollout.prompts_per_step, self.cfg.algorithm
         max_released = target + (algo.max_backfill_prompts if algo.filter_groups else 0)
-        self.top_up(policy_version)
+        self.top_up(policy_version, policy_version + 1 if step is None else step)
         result, released = StepRollouts(groups=[], trained_version=policy_version), 0
         while len(result.groups) < target and released < max_released:
             if not self._queue:  # nothing dispatched left: a backfill round
@@ -289,11 +290,10 @@ class RolloutController:
                 result.rank_metrics[key] = result.rank_metrics.get(key, 0.0) + value
         return result
 
-    def top_up(self, policy_version: int) -> None:
+    def top_up(self, policy_version: int, step: int) -> None:
         """Dispatch prompts until the groups not yet released cover every step that may still train
-        on a rollout dispatched now: steps policy_version + 1 .. + 1 + max_staleness, within
-        train.num_steps."""
-        steps = min(self.cfg.algorithm.max_staleness + 1, self.cfg.train.num_steps - policy_version)
+        on a rollout dispatched now: steps step .. step + max_staleness, within train.num_steps."""
+        steps = min(self.cfg.algorithm.max_staleness + 1, self.cfg.train.num_steps - step + 1)
         missing = steps * self.cfg.rollout.prompts_per_step - len(self._queue)
         if missing > 0:
             self.dispatch_groups(self.next_prompts(missing), policy_version)

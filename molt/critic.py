@@ -3,25 +3,29 @@ reference policy used for KL (DESIGN section 8)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel
 
-from molt.actor import TrainableModel, build_actor_model, compute_token_logprobs, compute_window_denominator
+from molt.actor import TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch
 from molt.batch import MicroBatch
+from molt.hf_checkpoint import build_empty_model, load_sharded_weights
 from molt.objectives import compute_value_loss
+from molt.parallelize import ShardingPlan, shard_model
 
 class ValueModel(nn.Module):
     """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.
 
-    `forward(input_ids, attention_mask)` returns [batch, seq] values (at least float32) aligned
-    like `compute_token_logprobs`: column t is the value of the state in which token t is about
-    to be emitted, read from the hidden state at position t - 1; column 0 is 0. So GAE reads the
-    value of each action's state at that action's own column. Expects right padding.
+    `forward(input_ids, attention_mask=None, position_ids=None)` returns per-position values (at
+    least float32) aligned like `score_tokens`: column t is the value of the state in which token t
+    is about to be emitted, read from the hidden state at position t - 1; 0 at each sequence's first
+    token. So GAE reads the value of each action's state at that action's own column. Padded rows
+    must be right-padded; a packed row carries per-sequence `position_ids`.
     """
 
     def __init__(self, backbone: nn.Module) -> None:
@@ -31,44 +35,39 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(
             backbone.config.hidden_size, 1, dtype=parameter.dtype, device=parameter.device
         )
+        self.reset_value_head()
+
+    @torch.no_grad()
+    def reset_value_head(self) -> None:
         # Zero weight and bias: every initial value is exactly 0, so the first advantages are the
         # plain returns rather than noise from a random projection of large hidden states.
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        for parameter in self.value_head.parameters():
+            parameter.zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state  # [batch, seq, hidden]
-        values = self.value_head(hidden).squeeze(-1)  # [batch, seq]: value after reading token t
-        values = values[:, :-1].to(torch.promote_types(values.dtype, torch.float32))
-        return F.pad(values, (1, 0))
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [rows, len, hidden]
+        values = self.value_head(hidden).squeeze(-1)  # [rows, len]: value after reading token t
+        values = values.to(torch.promote_types(values.dtype, torch.float32))
+        shifted = F.pad(values[:, :-1], (1, 0))
+        return shifted if position_ids is None else shifted.masked_fill(position_ids == 0, 0.0)
 
 
-def build_value_model(
-    model_path: str,
-    *,
-    mesh: DeviceMesh,
-    device: torch.device,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-) -> ValueModel:
-    """Load the backbone of a Hugging Face causal LM, add a zero value head, shard with FSDP2.
-
-    Sharded like `build_actor_model`: each decoder block is its own FSDP unit and the root holds
-    the embeddings, final norm and value head. `dtype` and `compute_dtype` mean the same there.
-    """
+def build_value_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
+    """The backbone of a Hugging Face causal LM with a zero value head, sharded and loaded like
+    `build_actor_model` (meta device, `shard_model`, each rank reading its own slices)."""
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
-    backbone = AutoModel.from_pretrained(model_path, dtype=dtype)
-    backbone.config.use_cache = False
-    model = ValueModel(backbone)
-    mp_policy = MixedPrecisionPolicy()
-    if compute_dtype is not None:
-        mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for block in backbone.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    model = ValueModel(build_empty_model(model_path, dtype=plan.param_dtype, auto_class=AutoModel))
+    shard_model(model, model.model.layers, mesh=mesh, plan=plan)
+    report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
+    missing = [name for name in report.missing if not name.startswith("value_head.")]
+    if missing:
+        raise RuntimeError(f"{model_path} has no weights for {len(missing)} parameters of its backbone, "
+                           f"e.g. {missing[:3]}: is it a complete Hugging Face checkpoint?")
+    model.reset_value_head()
     return model
 
 
@@ -76,10 +75,11 @@ class Critic(TrainableModel):
     """The PPO critic: the FSDP2 value model and its own AdamW (see TrainableModel)."""
 
     @torch.no_grad()
-    def compute_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def compute_values(self, micro_batch: MicroBatch) -> torch.Tensor:
         """[batch, seq] values under the current weights, aligned as in `ValueModel` (collective)."""
         self.model.eval()
-        values = self.model(input_ids.to(self.device), attention_mask.to(self.device))
+        micro_batch = micro_batch.to(self.device)
+        values = micro_batch.to_rows(self.model(**micro_batch.model_inputs()))
         # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
         # later forward would then reuse them even after the optimizer changed the shards.
         self.model.reshard()
@@ -93,7 +93,8 @@ class Critic(TrainableModel):
         returns: list[torch.Tensor],
         clip_range: float | None,
     ) -> dict[str, float]:
-        """One optimizer step on the clipped value loss; returns metrics reduced over the group.
+        """One optimizer step on the clipped value loss (skipped when the loss or the gradient norm is
+        not finite on some rank); returns metrics reduced over the group.
 
         Args:
             old_values: one [batch, seq] tensor per micro-batch, the values the returns were
@@ -109,9 +110,9 @@ class Critic(TrainableModel):
         sums = self.compute_window_gradients(
             micro_batches, old_values=old_values, returns=returns, clip_range=clip_range
         )
-        grad_norm = self.step_optimizer()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         loss, tokens, clipped, error_sum, value_sum, return_sum, return_square_sum = sums.tolist()
+        grad_norm, stepped = self.step_optimizer(loss_is_finite=math.isfinite(loss))
         per_token = 1.0 / max(tokens, 1.0)
         # 1 - MSE / Var(returns): 1 is a perfect fit, 0 no better than the mean return; NaN when
         # the returns do not vary (nothing to explain).
@@ -126,6 +127,7 @@ class Critic(TrainableModel):
             "explained_variance": explained_variance,
             "value_mean": value_sum * per_token,
             "return_mean": return_sum * per_token,
+            "value_skipped_nonfinite": float(not stepped),
         }
 
     def compute_window_gradients(
@@ -153,7 +155,7 @@ class Critic(TrainableModel):
                     f"{tuple(micro_batch.input_ids.shape)}"
                 )
             micro_batch = micro_batch.to(self.device)
-            values = self.model(micro_batch.input_ids, micro_batch.attention_mask)
+            values = micro_batch.to_rows(self.model(**micro_batch.model_inputs()))
             loss, stats = compute_value_loss(
                 values,
                 micro_old_values.to(self.device),
@@ -175,32 +177,22 @@ class Critic(TrainableModel):
         return sums
 
 
-def build_reference_model(
-    model_path: str,
-    *,
-    mesh: DeviceMesh,
-    device: torch.device,
-    dtype: torch.dtype,
-    compute_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """The initial policy, frozen, for the KL to the reference: sharded like the actor, no grads."""
-    model = build_actor_model(
-        model_path, mesh=mesh, device=device, dtype=dtype, compute_dtype=compute_dtype
-    )
+def build_reference_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan,
+                          logprob_chunk_tokens: int = 1024) -> nn.Module:
+    """The initial policy, frozen, for the KL to the reference: sharded like the actor, no grads,
+    stored in the compute dtype (`ShardingPlan.frozen`)."""
+    model = build_actor_model(model_path, mesh=mesh, device=device, plan=plan.frozen(),
+                              logprob_chunk_tokens=logprob_chunk_tokens)
     model.requires_grad_(False)
     model.eval()
     return model
 
 
 @torch.no_grad()
-def compute_reference_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
-) -> torch.Tensor:
-    """[batch, seq] token log-probs under the reference model, aligned as `compute_token_logprobs`.
-
-    Inputs on the model's device; collective over its mesh. `temperature` should be the actor's,
-    so the KL compares the same distributions the policy loss uses.
-    """
-    logprobs = compute_token_logprobs(model, input_ids, attention_mask, temperature=temperature)
+def compute_reference_logprobs(model: nn.Module, micro_batch: MicroBatch, *, temperature: float) -> torch.Tensor:
+    """[batch, seq] token log-probs of a micro-batch under the reference model, aligned as
+    `score_tokens`. Collective over its mesh. `temperature` should be the actor's, so the KL
+    compares the same distributions the policy loss uses."""
+    logprobs, _ = score_micro_batch(model, micro_batch, temperature=temperature)
     model.reshard()  # see Critic.compute_values
     return logprobs

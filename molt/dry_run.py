@@ -9,6 +9,7 @@ ConfigError naming the field, raised after the lines that led to it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator
@@ -45,6 +46,9 @@ class ModelFootprint:
     largest_unit: tuple[str, int]  # (FSDP unit, unsharded parameters)
     rank0_shard_params: int  # parameters rank 0 holds after fully_shard, read from the DTensors
     mesh: str
+    hidden_size: int
+    vocab_size: int
+    num_checkpointed_blocks: int  # decoder blocks under activation checkpointing
 
 
 def place_ranks(layout: LayoutConfig) -> list[Placement]:
@@ -147,13 +151,13 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     # Registers the "fake" backend: collectives return at once, so one process can play rank 0 of any size.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from molt.actor import shard_causal_lm
+    from molt.parallelize import ShardingPlan, count_checkpointed_blocks, shard_causal_lm
 
     transformers.logging.set_verbosity_error()
     try:
         hf_config = transformers.AutoConfig.from_pretrained(source)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.train.param_dtype))
     except (ValueError, KeyError, OSError) as error:
         raise ConfigError(f"{source_field}={source!r}: cannot build a causal LM from its config.json: "
                           f"{type(error).__name__}: {error}") from error
@@ -174,7 +178,8 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         # here: the fake group has no devices; meta parameters stay on meta).
         group = dist.new_group(list(range(cfg.layout.num_trainer_ranks)))
         mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
-        shard_causal_lm(model, mesh=mesh)
+        plan = ShardingPlan.from_config(cfg)
+        shard_causal_lm(model, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
         shards = [p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()]
         mesh_text = repr(mesh)
     finally:
@@ -183,7 +188,9 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         architecture=architecture, num_params=num_params, num_routed_expert_params=num_routed,
         num_active_params=_active_params(hf_config, num_params, num_routed),
         num_head_params=0 if tied else head.weight.numel(), num_blocks=len(blocks),
-        largest_unit=max(units.items(), key=lambda item: item[1]), rank0_shard_params=sum(shards), mesh=mesh_text)
+        largest_unit=max(units.items(), key=lambda item: item[1]), rank0_shard_params=sum(shards), mesh=mesh_text,
+        hidden_size=hf_config.get_text_config().hidden_size, vocab_size=hf_config.get_text_config().vocab_size,
+        num_checkpointed_blocks=count_checkpointed_blocks(len(blocks), plan.checkpoint_every))
 
 
 def _active_params(hf_config, num_params: int, num_routed: int) -> int | None:
@@ -196,40 +203,77 @@ def _active_params(hf_config, num_params: int, num_routed: int) -> int | None:
 
 
 def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
-    """Bytes per trainer rank and per engine GPU, with the formulas; raises when they cannot fit."""
+    """Bytes per trainer rank and per engine GPU, with the formulas; raises when they cannot fit.
+
+    The formula (docs/training.md): with p the stored (master) bytes per parameter (train.param_dtype)
+    and c the compute bytes (train.compute_dtype), a trainer rank holds its shard S of parameters
+    (S x p), gradients (S x p) and AdamW moments (2 x S x p): 16 B/param for float32 master weights;
+    plus the largest FSDP unit U gathered in the compute dtype (U x c) and its unsharded gradient on
+    the way to the float32 reduce-scatter (U x 4); plus the loss head's chunk (~3 x chunk x vocab x 4);
+    a frozen reference adds its shard in the compute dtype, a critic its own 16 B/param state.
+    """
+    from molt.parallelize import ShardingPlan
+
+    layout, algo, train = cfg.layout, cfg.algorithm, cfg.train
+    plan = ShardingPlan.from_config(cfg)
+    p, c = plan.param_dtype.itemsize, plan.forward_dtype.itemsize
+    trainers, shard = layout.num_trainer_ranks, model.rank0_shard_params
+    where = "host memory (train.cpu_offload)" if plan.cpu_offload else "device"
+    compute_name = str(plan.forward_dtype).removeprefix("torch.")
+    yield (f"per trainer rank (stored {train.param_dtype}, {p} B/param; compute {compute_name} "
+           f"(train.compute_dtype), {c} B/param; rank 0's shard, the largest: {shard:,} params, total / "
+           f"{trainers} = {model.num_params / trainers:,.0f}):")
+    yield f"  parameters       {_size(shard * p)}   shard x {p} B (master weights; {where})"
+    yield f"  gradients        {_size(shard * p)}   shard x {p} B (sharded, in the master dtype; {where})"
+    yield f"  AdamW states     {_size(2 * shard * p)}   2 x shard x {p} B (exp_avg, exp_avg_sq; {where})"
+    state = 4 * shard * p
+    if algo.kl_coef > 0:
+        yield f"  reference model  {_size(shard * c)}   shard x {c} B (frozen, stored in the compute dtype; {where})"
+        state += shard * c
+    if algo.advantage_estimator == "gae":
+        critic = -(-(model.num_params - model.num_head_params) // trainers) * p
+        yield f"  critic           {_size(4 * critic)}   4 x (params - LM head) / {trainers} x {p} B (its own AdamW; {where})"
+        state += 4 * critic
+    unit_name, unit_params = model.largest_unit
+    unit = unit_params * (c + 4)
+    yield (f"  gathered unit    {_size(unit)}   largest FSDP unit, {unit_name}: {unit_params:,} params x ({c} B "
+           f"gathered + 4 B float32 gradient for the reduce-scatter)")
+    head = 3 * train.logprob_chunk_tokens * model.vocab_size * 4
+    yield (f"  loss head        {_size(head)}   ~3 x train.logprob_chunk_tokens={train.logprob_chunk_tokens} x vocab "
+           f"{model.vocab_size:,} x 4 B (float32 logits, probabilities, their gradient)")
+    kept = model.num_checkpointed_blocks * train.max_tokens_per_micro_batch * model.hidden_size * c
+    yield from _describe_activations(cfg, model, kept)
+    on_device = unit + head + kept + (0 if plan.cpu_offload else state)
+    yield (f"  at least         {_size(on_device)}   on the {'GPU' if cfg.device != 'cpu' else 'device'}, before "
+           f"other activations, prefetched units and allocator slack"
+           + (f"; plus {_size(state).strip()} of host memory per rank" if plan.cpu_offload else ""))
+    yield from _check_gpu_memory(cfg, model, on_device)
+
+
+def _describe_activations(cfg: MoltConfig, model: ModelFootprint, kept: int) -> Iterator[str]:
+    tokens, blocks = cfg.train.max_tokens_per_micro_batch, model.num_checkpointed_blocks
+    if not blocks:
+        yield ("  activations      not estimated (train.activation_checkpointing=none keeps every block's "
+               "intermediates for backward)")
+        return
+    width = kept // (blocks * tokens * model.hidden_size)
+    yield (f"  block inputs     {_size(kept)}   {blocks} checkpointed blocks x train.max_tokens_per_micro_batch="
+           f"{tokens} x hidden {model.hidden_size} x {width} B (plus one block's recomputed intermediates"
+           + (f", and the {model.num_blocks - blocks} blocks not checkpointed" if blocks < model.num_blocks else "")
+           + ")")
+
+
+def _check_gpu_memory(cfg: MoltConfig, model: ModelFootprint, needed: float) -> Iterator[str]:
     import torch
 
-    layout, algo = cfg.layout, cfg.algorithm
-    width = getattr(torch, cfg.model.dtype).itemsize
-    trainers = layout.num_trainer_ranks
-    shard = model.rank0_shard_params
-    params = shard * width
-    yield (f"per trainer rank ({cfg.model.dtype}, {width} B/param; rank 0's shard, the largest: "
-           f"{shard:,} params, total / {trainers} = {model.num_params / trainers:,.0f}):")
-    yield f"  parameters       {_size(params)}   shard x {width} B"
-    yield f"  gradients        {_size(params)}   shard x {width} B (the param dtype: no mixed-precision policy)"
-    yield (f"  AdamW states     {_size(2 * params)}   2 x shard x {width} B (exp_avg, exp_avg_sq in the param dtype: "
-           f"molt/actor.py steps torch.optim.AdamW on the stored params, no fp32 master copy)")
-    total = 4 * params
-    if algo.kl_coef > 0:
-        yield f"  reference model  {_size(params)}   shard x {width} B (frozen copy for the KL; no grads, no optimizer)"
-        total += params
-    if algo.advantage_estimator == "gae":
-        critic = -(-(model.num_params - model.num_head_params) // trainers) * width
-        yield f"  critic           {_size(4 * critic)}   ~4 x (params - LM head) / {trainers} x {width} B (its own AdamW)"
-        total += 4 * critic
-    unit_name, unit_params = model.largest_unit
-    unit = unit_params * width
-    yield (f"  gathered unit    {_size(unit)}   largest FSDP unit, {unit_name}: {unit_params:,} params x {width} B, "
-           f"all-gathered for its forward and backward")
-    needed = total + unit
-    yield f"  at least         {_size(needed)}   before activations, prefetched units and allocator slack"
+    layout = cfg.layout
     if cfg.device == "cpu":
         return
+    width = getattr(torch, cfg.model.dtype).itemsize
     tensor_parallel = layout.engine_tensor_parallel_size
     engine = model.num_params * width / tensor_parallel
-    yield (f"per engine GPU: ~{engine / GIB:.2f} GiB of weights = {model.num_params:,} params x {width} B / "
-           f"tensor parallel {tensor_parallel}, before KV cache")
+    yield (f"per engine GPU: ~{engine / GIB:.2f} GiB of weights = {model.num_params:,} params x {width} B "
+           f"(model.dtype={cfg.model.dtype}) / tensor parallel {tensor_parallel}, before KV cache")
     gpu = layout.gpu_memory_gigabytes * GIB
     if gpu <= 0:
         yield "GPU memory: not checked (layout.gpu_memory_gigabytes=0)"
@@ -241,7 +285,8 @@ def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
     problems = []
     if needed > gpu:
         problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
-                        f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now {trainers}) to shard finer")
+                        f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now "
+                        f"{layout.num_trainer_ranks}) to shard finer, or set train.cpu_offload")
     if engine > budget:
         problems.append(f"an engine GPU needs {engine / GIB:.1f} GiB for the weights alone but gets "
                         f"rollout.engine_memory_fraction x layout.gpu_memory_gigabytes = {budget / GIB:.1f} GiB: raise "

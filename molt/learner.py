@@ -9,6 +9,7 @@ counts once; token advantages are whitened over the action tokens of all ranks.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -16,13 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, PolicyLoss
+from molt.actor import Actor, PolicyLoss, WindowResult, summarize_windows
 from molt.batch import MicroBatch, compute_group_advantages
 from molt.config import GROUP_ESTIMATORS, MoltConfig
 from molt.critic import Critic, build_reference_model, build_value_model, compute_reference_logprobs
 from molt.objectives import (AdaptiveKLController, compute_gae_advantages, compute_kl_estimate,
                              compute_reinforce_pp_advantages, whiten)
 from molt.objectives.advantages import Moments, masked_moments
+from molt.optimizer import OptimizerSettings
+from molt.parallelize import ShardingPlan
 
 
 @dataclass(kw_only=True)
@@ -42,25 +45,26 @@ class BatchInfo:
 class Learner:
     def __init__(self, cfg: MoltConfig, actor: Actor, *, mesh: DeviceMesh, group: dist.ProcessGroup,
                  device: torch.device):
-        algo = cfg.algorithm
+        algo, train = cfg.algorithm, cfg.train
         self.algo = algo
         self.actor = actor
         self.group = group
         self.device = device
         self.temperature = cfg.rollout.temperature
-        dtype = getattr(torch, cfg.model.dtype)
+        self.ppo_epochs = train.ppo_epochs
+        plan = ShardingPlan.from_config(cfg)
         self.kl_coef = algo.kl_coef
         self.kl_controller = (AdaptiveKLController(coef=algo.kl_coef, target_kl=algo.kl_target,
                                                    horizon=algo.kl_horizon) if algo.kl_target > 0 else None)
         # The reference is the initial policy, frozen; it exists only when the KL is on.
-        self.reference = (build_reference_model(cfg.model.path, mesh=mesh, device=device, dtype=dtype)
+        self.reference = (build_reference_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
+                                                logprob_chunk_tokens=train.logprob_chunk_tokens)
                           if algo.kl_coef > 0 else None)
         self.critic = None
         if algo.advantage_estimator == "gae":
-            self.critic = Critic(build_value_model(cfg.model.path, mesh=mesh, device=device, dtype=dtype),
-                                 group=group, device=device, lr=algo.critic_learning_rate,
-                                 betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay,
-                                 max_grad_norm=cfg.train.max_grad_norm)
+            self.critic = Critic(build_value_model(cfg.model.path, mesh=mesh, device=device, plan=plan),
+                                 group=group, device=device, max_grad_norm=train.max_grad_norm,
+                                 optimizer=optimizer_settings(cfg, lr=algo.critic_learning_rate))
 
     def policy_loss(self) -> PolicyLoss:
         algo = self.algo
@@ -73,36 +77,80 @@ class Learner:
                           kl_estimator=algo.kl_estimator)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps beyond the models: the (adaptive) KL coefficient."""
-        return {"kl_coef": self.kl_coef}
+        """What a checkpoint keeps beyond the models: the (adaptive) KL coefficient, the LR schedules."""
+        state = {"kl_coef": self.kl_coef, "actor_lr_schedule": self.actor.schedule_state()}
+        if self.critic is not None:
+            state["critic_lr_schedule"] = self.critic.schedule_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_coef = state["kl_coef"]
         if self.kl_controller is not None:
             self.kl_controller.coef = self.kl_coef
+        if "actor_lr_schedule" in state:
+            self.actor.load_schedule_state(state["actor_lr_schedule"])
+        if self.critic is not None and "critic_lr_schedule" in state:
+            self.critic.load_schedule_state(state["critic_lr_schedule"])
 
-    def train_step(self, micro_batches: list[MicroBatch], info: BatchInfo) -> dict[str, float]:
-        """Fill in the objective's inputs, update the actor (and critic); metrics for the step."""
-        micro_batches = [micro_batch.to(self.device) for micro_batch in micro_batches]
-        metrics: dict[str, float] = {}
+    def train_step(self, windows: list[list[MicroBatch]], info: BatchInfo) -> dict[str, float]:
+        """Fill in the objective's inputs, then run `ppo_epochs` passes over the optimizer windows
+        (PPO mini-batches), one actor (and critic) optimizer step each; metrics for the step.
+
+        Every window divides by its own all-reduced action-token count (DESIGN section 8). With more
+        than one optimizer step, a no-grad pass first records the proximal log-probs the decoupled
+        PPO ratio is taken against. A window whose loss or gradient norm is not finite takes no
+        step and ends the step's policy updates ("skipped_nonfinite"; "updated" says whether any
+        window stepped)."""
+        windows = [[micro_batch.to(self.device) for micro_batch in window] for window in windows]
+        micro_batches = [micro_batch for window in windows for micro_batch in window]
+        metrics: dict[str, float] = self._padding_share(micro_batches)
         if self.reference is not None:
             metrics.update(self._score_reference(micro_batches))
         if self.critic is not None:
             for micro_batch in micro_batches:
-                values = self.critic.compute_values(micro_batch.input_ids, micro_batch.attention_mask)
-                micro_batch.old_values = values * micro_batch.action_mask
+                micro_batch.old_values = self.critic.compute_values(micro_batch) * micro_batch.action_mask
         self._set_advantages(micro_batches, info)
-        metrics.update(self.actor.train_window(micro_batches, self.policy_loss()))
+        loss = self.policy_loss()
+        if loss.importance is not None and len(windows) * self.ppo_epochs > 1:
+            for micro_batch in micro_batches:
+                micro_batch.proximal_logprobs = self.actor.score(micro_batch) * micro_batch.action_mask
+        metrics["lr"] = self.actor.lr
+        results, critic_metrics = self._run_windows(windows, loss)
+        metrics.update(summarize_windows(results, loss, num_windows=len(windows)))
+        metrics["skipped_nonfinite"] = float(not all(result.stepped for result in results))
+        metrics["updated"] = float(any(result.stepped for result in results))
+        metrics.update(critic_metrics)
+        self.actor.advance_schedule()
         if self.critic is not None:
-            metrics.update(self.critic.train_window(
-                micro_batches, old_values=[m.old_values for m in micro_batches],
-                returns=[m.returns for m in micro_batches], clip_range=self.algo.value_clip or None))
+            self.critic.advance_schedule()
         if self.kl_controller is not None:
             # Ziegler et al. count the horizon in samples: this step's rollouts.
             self.kl_coef = self.kl_controller.update(metrics["ref_kl_behavior"], len(set(info.rollout_ids)))
         if self.reference is not None:
             metrics["kl_coef"] = self.kl_coef
         return metrics
+
+    def _run_windows(self, windows: list[list[MicroBatch]], loss: PolicyLoss) -> tuple[list[WindowResult], dict]:
+        results, critic_results = [], []
+        for _ in range(self.ppo_epochs):
+            for window in windows:
+                result = self.actor.train_window(window, loss)
+                results.append(result)
+                if self.critic is not None:
+                    critic_results.append(self.critic.train_window(
+                        window, old_values=[m.old_values for m in window], returns=[m.returns for m in window],
+                        clip_range=self.algo.value_clip or None))
+                if not result.stepped:
+                    return results, _mean_metrics(critic_results)
+        return results, _mean_metrics(critic_results)
+
+    def _padding_share(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """Share of the positions the model computes that are padding, over all ranks."""
+        counts = torch.tensor([[m.num_real_tokens, m.num_model_tokens] for m in micro_batches],
+                              dtype=torch.float64, device=self.device).sum(dim=0)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
+        real, computed = counts.tolist()
+        return {"padding_share": 1.0 - real / computed if computed else 0.0}
 
     # -- the objective's inputs -------------------------------------------------------------
 
@@ -111,8 +159,7 @@ class Learner:
         (behaviour log-probs) to the reference, over all ranks."""
         kl_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # [kl sum, action tokens]
         for micro_batch in micro_batches:
-            logprobs = compute_reference_logprobs(self.reference, micro_batch.input_ids, micro_batch.attention_mask,
-                                                  temperature=self.temperature)
+            logprobs = compute_reference_logprobs(self.reference, micro_batch, temperature=self.temperature)
             micro_batch.ref_logprobs = logprobs * micro_batch.action_mask
             kl = self._token_kl(micro_batch)
             kl_sum += torch.stack([kl.sum(), micro_batch.action_mask.sum()]).to(torch.float64)
@@ -184,3 +231,22 @@ class Learner:
             torch.zeros(3, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
         return Moments(*totals)
+
+
+def optimizer_settings(cfg: MoltConfig, *, lr: float | None = None) -> OptimizerSettings:
+    """The train section's AdamW and schedule settings (lr: the critic's own peak, else train.learning_rate)."""
+    train = cfg.train
+    return OptimizerSettings(lr=train.learning_rate if lr is None else lr, betas=tuple(train.adam_betas),
+                             eps=train.adam_eps, weight_decay=train.weight_decay,
+                             no_weight_decay_on=tuple(train.no_weight_decay_on), schedule=train.lr_schedule,
+                             num_steps=train.num_steps, warmup_steps=train.warmup_steps,
+                             min_lr_ratio=train.min_lr_ratio)
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean over the windows (the critic's metrics); the skip flag is their max."""
+    if not rows:
+        return {}
+    merged = {key: statistics.fmean(row[key] for row in rows) for key in rows[0]}
+    merged["value_skipped_nonfinite"] = max(row["value_skipped_nonfinite"] for row in rows)
+    return merged

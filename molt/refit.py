@@ -79,13 +79,18 @@ class RefitSender:
     """Runs on every trainer rank (all take part in the FSDP2 gathers); only the sending rank
     talks to the engines."""
 
-    def __init__(self, model: torch.nn.Module, *, is_sender: bool, bucket_bytes: int, timeout_seconds: float):
+    def __init__(self, model: torch.nn.Module, *, is_sender: bool, bucket_bytes: int, timeout_seconds: float,
+                 engine_dtype: str | None = None):
+        """`engine_dtype`: what the engines serve (model.dtype); the stored (master) weights are cast
+        to it inside each bucket, so the wire and the engine's buffers carry engine-sized bytes.
+        None keeps each parameter's own dtype."""
         self.model = model
         self.is_sender = is_sender
         self.timeout_seconds = timeout_seconds
         self.group: dist.ProcessGroup | None = None
         params = dict(model.named_parameters())
-        entries = [BucketEntry(name, str(p.dtype).removeprefix("torch."), tuple(p.shape)) for name, p in params.items()]
+        entries = [BucketEntry(name, engine_dtype or str(p.dtype).removeprefix("torch."), tuple(p.shape))
+                   for name, p in params.items()]
         self.buckets = plan_buckets(entries, bucket_bytes)
         self._params = params
         self._buffers: dict[str, torch.Tensor] = {}
@@ -118,7 +123,10 @@ class RefitSender:
             if not self.is_sender or error is not None:
                 continue
             flat = self._flat_buffer(bucket)
-            torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+            offset = 0
+            for tensor in tensors:
+                flat[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))  # cast to the engine dtype
+                offset += tensor.numel()
             options = dist.BroadcastOptions()
             options.rootRank = 0
             try:

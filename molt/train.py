@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
+from molt.config import ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, load_config, validate_config
 from molt.metrics import configure_logging
 
 # torch is imported inside the functions that use it: agent worker processes, started with
@@ -100,6 +100,15 @@ def _expand_host(pattern: str, hostlist: str) -> list[str]:
     return [head + item + rest for item in items for rest in _expand_host(tail, hostlist)]
 
 
+def trainer_device_type(cfg: MoltConfig) -> str:
+    """'cuda' or 'cpu': where trainer ranks will compute (device=auto: CUDA when visible)."""
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
 def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:
     import torch
 
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         if not args.dry_run:  # the dry run validates without the files and the job's world size
             validate_config(cfg, world_size=world_size if launched else None)
+            check_cpu_offload(cfg, trainer_device_type(cfg))
     except ConfigError as error:
         logger.error("%s", error)
         return 2

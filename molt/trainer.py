@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, build_actor_model
-from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.actor import Actor, build_actor_model, check_packing
+from molt.batch import assign_to_ranks, build_windows, count_window_micro_batches
 from molt.checkpoint import load_checkpoint, read_wandb_run_id, resolve_resume, save_checkpoint
 from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
-from molt.learner import BatchInfo, Learner
+from molt.learner import BatchInfo, Learner, optimizer_settings
 from molt.metrics import MetricsLogger, StageTimer, process_resources
+from molt.parallelize import ShardingPlan
 from molt.payloads import PayloadClient, default_node_id, reload_record
 from molt.refit import RefitError, RefitSender, RefitSendError, find_free_port
 from molt.wire import Router, connect_dealer, pack, unpack
@@ -28,6 +29,10 @@ logger = logging.getLogger("molt")
 
 # A fixed probe for the refit check: engine and trainer score the same tokens.
 PROBE_LENGTH = 32
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive steps had a NaN/inf loss or gradient norm; the message names the step."""
 
 
 class Trainer:
@@ -40,17 +45,18 @@ class Trainer:
         self.host = host
         self.is_controller = rank == 0
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        dtype = getattr(torch, cfg.model.dtype)
         mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
-        model = build_actor_model(cfg.model.path, mesh=mesh, device=device, dtype=dtype)
+        plan = ShardingPlan.from_config(cfg)
+        model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
+                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
         self.pad_token_id = _pad_token_id(model)
-        self.actor = Actor(model, group=group, device=device, lr=cfg.train.learning_rate,
-                           betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay,
+        self.actor = Actor(model, group=group, device=device, optimizer=optimizer_settings(cfg),
                            max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
         self.learner = Learner(cfg, self.actor, mesh=mesh, group=group, device=device)
+        self.packing = cfg.train.packing and check_packing(self.actor, self.pad_token_id, plan.forward_dtype)
         self.refit = RefitSender(model, is_sender=self.is_controller,
                                  bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
-                                 timeout_seconds=cfg.refit.timeout_seconds)
+                                 timeout_seconds=cfg.refit.timeout_seconds, engine_dtype=cfg.model.dtype)
         # Experiences arrive as light records; each rank fetches its own share's token-axis fields
         # from the payload store of the rollout rank that produced them (DESIGN section 7).
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
@@ -69,13 +75,15 @@ class Trainer:
                                      total_steps=cfg.train.num_steps, enabled=self.is_controller)
         self.policy_version = 0
         self.refit_failures = 0  # failed refit attempts so far (each retried or fatal)
+        self.skipped_nonfinite_steps = 0  # steps whose loss or gradient norm was not finite
+        self.nonfinite_streak = 0
 
     def train(self) -> None:
         first_step = self.resume() + 1
         self.connect_engines()
         pending_check = {}
         if first_step > 1:  # engines load model.path: they get the checkpoint's weights before any rollout
-            self.push_weights(version=first_step - 1)
+            self.push_weights(version=self.policy_version)
             if self.cfg.refit.check_every_steps:
                 pending_check = self.check_refit()  # logged with the first resumed step
         elif self.cfg.refit.check_every_steps:  # engines and trainer start from the same weights
@@ -83,20 +91,25 @@ class Trainer:
         for step in range(first_step, self.cfg.train.num_steps + 1):
             started = time.perf_counter()
             with self.timer.stage("rollout"):
-                experiences, info, num_micro_batches, rollout_metrics = self.next_batch()
+                experiences, info, micro_batch_counts, rollout_metrics = self.next_batch(step)
             with self.timer.stage("train"):
-                micro_batches = build_micro_batches(
-                    experiences, max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
-                    pad_token_id=self.pad_token_id, num_micro_batches=num_micro_batches)
-                train_metrics = self.learner.train_step(micro_batches, info)
-            with self.timer.stage("refit"):
-                self.push_weights(version=step)
+                windows = build_windows(
+                    experiences, num_windows=len(micro_batch_counts), micro_batch_counts=micro_batch_counts,
+                    max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
+                    pad_token_id=self.pad_token_id, packing=self.packing)
+                train_metrics = self.learner.train_step(windows, info)
+            self.guard_nonfinite(step, train_metrics)
+            if train_metrics["updated"]:
+                with self.timer.stage("refit"):
+                    self.push_weights(version=self.policy_version + 1)
             check_metrics = {**pending_check, **(self.check_refit() if self.refit_check_due(step) else {})}
             pending_check = {}
             step_seconds = time.perf_counter() - started
             self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
                                     **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
                                     "refit/failed_attempts": float(self.refit_failures),
+                                    "train/skipped_nonfinite_steps": float(self.skipped_nonfinite_steps),
+                                    "policy_version": float(self.policy_version),
                                     **process_resources("trainer_rank0"),
                                     "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
             interval = self.cfg.checkpoint.interval_steps
@@ -104,6 +117,28 @@ class Trainer:
                 with self.timer.stage("checkpoint"):  # shows in the next step's metrics
                     self.save_checkpoint(step)
         self.shutdown()
+
+    def guard_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+        """Count a step whose loss or gradient norm was not finite (every rank sees the same all-reduced
+        values, so all agree); after train.max_consecutive_nonfinite_steps in a row, stop the job."""
+        if not metrics["skipped_nonfinite"]:
+            self.nonfinite_streak = 0
+            return
+        self.skipped_nonfinite_steps += 1
+        self.nonfinite_streak += 1
+        limit = self.cfg.train.max_consecutive_nonfinite_steps
+        applied = int(metrics["optimizer_steps"])
+        if self.is_controller:
+            logger.error("step %d: non-finite loss (%s) or gradient norm (%s); the optimizer window took no step "
+                         "on any rank (%d earlier window(s) of this step did), %s; %d such step(s) in a row, the job "
+                         "stops at train.max_consecutive_nonfinite_steps=%d", step, metrics["loss"], metrics["grad_norm"],
+                         applied, "weights pushed" if applied else "no weights pushed", self.nonfinite_streak, limit)
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteTrainingError(
+                f"step {step}: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm "
+                f"(train.max_consecutive_nonfinite_steps={limit}); the weights were last updated before step "
+                f"{step - self.nonfinite_streak + 1}. Look for NaN/inf rewards or log-probs, or lower "
+                f"train.learning_rate")
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -164,14 +199,14 @@ class Trainer:
 
     # -- batches ---------------------------------------------------------------------------
 
-    def next_batch(self) -> tuple[list[Experience], BatchInfo, int, dict[str, float]]:
-        """This rank's experiences, the batch's rewards and groups, the micro-batch count every rank
-        uses, and metrics."""
+    def next_batch(self, step: int) -> tuple[list[Experience], BatchInfo, list[int], dict[str, float]]:
+        """This rank's experiences, the batch's rewards and groups, the micro-batch count of each
+        optimizer window (the same on every rank), and metrics."""
         if self.is_controller:
-            return self.assemble_batch(self.controller.collect_step(self.policy_version))
+            return self.assemble_batch(self.controller.collect_step(self.policy_version, step=step))
         message = unpack(self.inbox.recv())
         experiences = self.reload([Experience.from_dict(e) for e in message["experiences"]])
-        return experiences, BatchInfo(**message["info"]), message["num_micro_batches"], {}
+        return experiences, BatchInfo(**message["info"]), message["micro_batch_counts"], {}
 
     def reload(self, experiences: list[Experience]) -> list[Experience]:
         """Full experiences from light records (each payload freed at its store once here)."""
@@ -184,13 +219,15 @@ class Trainer:
         shares = assign_to_ranks(experiences, self.num_trainer_ranks)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences])
-        budget = self.cfg.train.max_tokens_per_micro_batch
-        num_micro_batches = max(1, *(count_micro_batches([experiences[i] for i in share],
-                                                          max_tokens_per_micro_batch=budget) for share in shares))
+        counts = [count_window_micro_batches([experiences[i] for i in share],
+                                             num_windows=self.cfg.train.mini_batches_per_step,
+                                             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
+                                             packing=self.packing) for share in shares]
+        micro_batch_counts = [max(1, *column) for column in zip(*counts)]  # per window, the busiest rank's
         for rank in range(1, self.num_trainer_ranks):
             self.router.send(f"trainer-{rank}", {
                 "type": "batch", "experiences": [experiences[i].to_dict() for i in shares[rank]],
-                "info": BatchInfo(**batch, own=shares[rank]).to_dict(), "num_micro_batches": num_micro_batches})
+                "info": BatchInfo(**batch, own=shares[rank]).to_dict(), "micro_batch_counts": micro_batch_counts})
         if not experiences:
             logger.warning("no complete group this step (failures: %s); the step trains on nothing",
                            dict(rollouts.failures))
@@ -201,7 +238,7 @@ class Trainer:
                    "controller/bytes_received_total": float(self.router.bytes_received),
                    "controller/bytes_sent_total": float(self.router.bytes_sent),
                    "controller/token_values_received_total": float(self.controller.token_values_received)}
-        return self.reload([experiences[i] for i in own]), BatchInfo(**batch, own=own), num_micro_batches, metrics
+        return self.reload([experiences[i] for i in own]), BatchInfo(**batch, own=own), micro_batch_counts, metrics
 
     # -- refit -----------------------------------------------------------------------------
 

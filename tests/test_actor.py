@@ -7,9 +7,11 @@ import transformers
 from distributed import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs
+from molt.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs, summarize_windows
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.experience import Experience
+from molt.optimizer import OptimizerSettings
+from molt.parallelize import ShardingPlan
 
 PAD = 0
 CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
@@ -79,10 +81,11 @@ def build_rank_micro_batches(experiences, advantages, group, budget) -> list:
     )
 
 
-def make_actor(model_path, group, dtype, **optimizer) -> Actor:
+def make_actor(model_path, group, dtype, *, max_grad_norm=1.0, plan=None, **optimizer) -> Actor:
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = build_actor_model(model_path, mesh=mesh, device=CPU, dtype=dtype)
-    return Actor(model, group=group, device=CPU, temperature=TEMPERATURE, **optimizer)
+    model = build_actor_model(model_path, mesh=mesh, device=CPU, plan=plan or ShardingPlan(param_dtype=dtype))
+    return Actor(model, group=group, device=CPU, temperature=TEMPERATURE, max_grad_norm=max_grad_norm,
+                 optimizer=OptimizerSettings(**optimizer))
 
 
 def window_gradients(actor, micro_batches, loss=PPO, kl_reference=None) -> dict[str, torch.Tensor]:
@@ -196,7 +199,7 @@ def training_rank(rank, world_size, model_path, windows):
     metrics, reference_metrics = [], []
     for experiences, advantages in windows:
         micro_batches = build_rank_micro_batches(experiences, advantages, trainer_group, budget=100)
-        metrics.append(actor.train_window(micro_batches, PPO))
+        metrics.append(summarize_windows([actor.train_window(micro_batches, PPO)], PPO, num_windows=1))
 
         loss = naive_window_loss(reference, experiences, advantages)
         loss.backward()

@@ -14,6 +14,8 @@ from distributed import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
+from molt.optimizer import OptimizerSettings
+from molt.parallelize import ShardingPlan
 from molt.checkpoint import complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from molt.refit import find_free_port
 
@@ -22,8 +24,8 @@ CPU = torch.device("cpu")
 
 def _actor(model_path: str) -> Actor:
     group = dist.group.WORLD
-    model = build_actor_model(model_path, mesh=DeviceMesh.from_group(group, "cpu"), device=CPU, dtype=torch.float32)
-    return Actor(model, group=group, device=CPU, lr=1e-3)
+    model = build_actor_model(model_path, mesh=DeviceMesh.from_group(group, "cpu"), device=CPU, plan=ShardingPlan())
+    return Actor(model, group=group, device=CPU, optimizer=OptimizerSettings(lr=1e-3))
 
 
 def _checksum(actor: Actor) -> float:

@@ -10,6 +10,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from molt.actor import build_actor_model, compute_token_logprobs
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.optimizer import OptimizerSettings
+from molt.parallelize import ShardingPlan
 from molt.critic import (
     Critic,
     ValueModel,
@@ -113,17 +115,17 @@ def build_rank_micro_batches(experiences, group, budget) -> list:
     )
 
 
-def make_critic(model_path, group, dtype, head_seed: int | None = None, **optimizer) -> Critic:
+def make_critic(model_path, group, dtype, head_seed: int | None = None, *, max_grad_norm=1.0, **optimizer) -> Critic:
     mesh = DeviceMesh.from_group(group, "cpu")
-    model = build_value_model(model_path, mesh=mesh, device=CPU, dtype=dtype)
+    model = build_value_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=dtype))
     if head_seed is not None:
         set_value_head(model, *head_parameters(head_seed))
-    return Critic(model, group=group, device=CPU, **optimizer)
+    return Critic(model, group=group, device=CPU, max_grad_norm=max_grad_norm, optimizer=OptimizerSettings(**optimizer))
 
 
 def train_critic_window(critic, micro_batches) -> dict[str, float]:
     """A PPO critic step: old values from the critic itself, fixed returns."""
-    old_values = [critic.compute_values(mb.input_ids, mb.attention_mask) for mb in micro_batches]
+    old_values = [critic.compute_values(mb) for mb in micro_batches]
     returns = [token_targets(mb.input_ids)[1] for mb in micro_batches]
     return critic.train_window(
         micro_batches, old_values=old_values, returns=returns, clip_range=CLIP_RANGE
@@ -136,9 +138,9 @@ def alignment_rank(rank, world_size, model_path, experiences):
     probe = build_micro_batches(
         experiences, [0.0] * len(experiences), max_tokens_per_micro_batch=10_000, pad_token_id=PAD
     )[0]
-    initial = critic.compute_values(probe.input_ids, probe.attention_mask)
+    initial = critic.compute_values(probe)
     set_value_head(critic.model, *head_parameters(seed=1))
-    values = critic.compute_values(probe.input_ids, probe.attention_mask)
+    values = critic.compute_values(probe)
     reference = build_plain_value_model(model_path, head_seed=1)
     with torch.no_grad():
         expected = [naive_values(reference, e.token_ids) for e in experiences]
@@ -260,8 +262,8 @@ def test_critic_training_reduces_value_loss(model_path):
 def reference_rank(rank, world_size, model_path, experiences):
     group = dist.group.WORLD
     mesh = DeviceMesh.from_group(group, "cpu")
-    actor = build_actor_model(model_path, mesh=mesh, device=CPU, dtype=torch.float64)
-    reference = build_reference_model(model_path, mesh=mesh, device=CPU, dtype=torch.float64)
+    actor = build_actor_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
+    reference = build_reference_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
     probe = build_micro_batches(
         experiences, [1.0] * len(experiences), max_tokens_per_micro_batch=10_000, pad_token_id=PAD
     )[0]
@@ -272,9 +274,7 @@ def reference_rank(rank, world_size, model_path, experiences):
                 actor, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
             )
         actor.reshard()
-        ref = compute_reference_logprobs(
-            reference, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
-        )
+        ref = compute_reference_logprobs(reference, probe, temperature=TEMPERATURE)
         return actor_logprobs, ref
 
     before = logprobs_pair()
@@ -284,9 +284,7 @@ def reference_rank(rank, world_size, model_path, experiences):
     logprobs = compute_token_logprobs(
         actor, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
     )
-    ref_in_graph = compute_reference_logprobs(
-        reference, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
-    )
+    ref_in_graph = compute_reference_logprobs(reference, probe, temperature=TEMPERATURE)
     ((logprobs - ref_in_graph) * probe.action_mask).sum().backward()
     optimizer.step()
     after = logprobs_pair()

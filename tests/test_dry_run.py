@@ -86,11 +86,18 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     expected = qwen3_moe_params(hf_config("qwen3-30b-a3b"))
     assert printed_params(out) == expected
     assert abs(expected - 30.5e9) < 0.05e9  # the published 30.5B
-    # bf16, 8 trainer ranks: shard = params / 8 (every sharded dim divides by 8), x 2 bytes.
-    shard_gib = expected / 8 * 2 / GIB
+    # float32 master weights, 8 trainer ranks: shard = params / 8 (every sharded dim divides by 8),
+    # x 4 bytes each for weights and gradients, x 8 for AdamW: 16 B/param.
+    shard_gib = expected / 8 * 4 / GIB
     assert printed_gib(out, "parameters") == pytest.approx(shard_gib, abs=0.01)
     assert printed_gib(out, "gradients") == pytest.approx(shard_gib, abs=0.01)
     assert printed_gib(out, "AdamW states") == pytest.approx(2 * shard_gib, abs=0.01)
+    assert "stored float32, 4 B/param; compute bfloat16" in out
+    config = hf_config("qwen3-30b-a3b")
+    head_gib = 3 * 1024 * config["vocab_size"] * 4 / GIB
+    assert printed_gib(out, "loss head") == pytest.approx(head_gib, abs=0.01)
+    blocks_gib = config["num_hidden_layers"] * 16384 * config["hidden_size"] * 2 / GIB  # every block checkpointed
+    assert printed_gib(out, "block inputs") == pytest.approx(blocks_gib, abs=0.01)
     assert "model.path='" + str(tmp_path / "absent" / "Qwen3-30B-A3B") + "': not on this machine" in out
     assert out.rstrip().endswith("ok: the config is valid for 16 ranks")
 
@@ -99,22 +106,22 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     result = run_dry_run(MOE_1T_RECIPE, checkpoints=tmp_path / "absent")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "layout: 72 ranks = 64 trainer + 8 rollout; 128 GPUs on 16 node(s) of 8" in out
-    assert "rank 63: node 7, local rank 7, GPU 7: trainer (FSDP2 dp shard 63/64)" in out
-    assert "rank 64: node 8, local rank 0, GPUs 0-7: rollout: vLLM engine (tensor parallel 8)" in out
-    assert "rank 71: node 15, local rank 0, GPUs 0-7: rollout" in out
-    assert "8 on nodes 0-7, 1 on nodes 8-15" in out  # what cannot be launched yet is said
+    assert "layout: 136 ranks = 128 trainer + 8 rollout; 192 GPUs on 24 node(s) of 8" in out
+    assert "rank 127: node 15, local rank 7, GPU 7: trainer (FSDP2 dp shard 127/128)" in out
+    assert "rank 128: node 16, local rank 0, GPUs 0-7: rollout: vLLM engine (tensor parallel 8)" in out
+    assert "rank 135: node 23, local rank 0, GPUs 0-7: rollout" in out
+    assert "8 on nodes 0-15, 1 on nodes 16-23" in out  # what cannot be launched yet is said
     assert "pins its engine to the GPUs above with CUDA_VISIBLE_DEVICES" in out
-    assert "trainer mesh: DeviceMesh((dp=64)" in out and "fake process group of 72 ranks" in out
+    assert "trainer mesh: DeviceMesh((dp=128)" in out and "fake process group of 136 ranks" in out
     expected = deepseek_v3_params(hf_config("moe-1t"))
     assert printed_params(out) == expected
     assert 1.0e12 < expected < 1.05e12
-    shard_gib = expected / 64 * 2 / GIB
+    shard_gib = expected / 128 * 4 / GIB  # float32 master weights: 16 B/param with gradients and AdamW
     assert printed_gib(out, "parameters") == pytest.approx(shard_gib, rel=1e-3)
     assert printed_gib(out, "AdamW states") == pytest.approx(2 * shard_gib, rel=1e-3)
     engine_gib = expected * 2 / 8 / GIB
     assert f"per engine GPU: ~{engine_gib:.2f} GiB" in out
-    assert out.rstrip().endswith("ok: the config is valid for 72 ranks")
+    assert out.rstrip().endswith("ok: the config is valid for 136 ranks")
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -124,10 +131,12 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     # 60 trainer GPUs: the 1st engine would take GPUs 4-11 of node 7.
     (["layout.num_trainer_ranks=60"],
      ["make layout.num_trainer_ranks=60 a multiple of layout.engine_tensor_parallel_size=8"]),
+    # 64 trainer ranks: 16 B/param of float32 master state is ~240 GiB per rank before the gathered block.
+    (["layout.num_trainer_ranks=64"], ["raise layout.num_trainer_ranks (now 64) to shard finer, or set train.cpu_offload"]),
     (["model.config_path="], ["model.config_path is empty"]),
-    # 141 GB H200s (131 GiB): neither 1/64 of the training state nor 1/8 of the bf16 weights fits.
+    # 141 GB H200s (131 GiB): neither 1/128 of the training state nor 1/8 of the bf16 weights fits.
     (["layout.gpu_memory_gigabytes=131"],
-     ["raise layout.num_trainer_ranks (now 64)", "raise layout.engine_tensor_parallel_size (now 8"]),
+     ["raise layout.num_trainer_ranks (now 128)", "raise layout.engine_tensor_parallel_size (now 8"]),
 ])
 def test_broken_layout_fails_naming_the_field(tmp_path, overrides, expected):
     result = run_dry_run(MOE_1T_RECIPE, *overrides, checkpoints=tmp_path / "absent")

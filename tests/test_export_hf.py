@@ -12,6 +12,8 @@ from distributed import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model, compute_token_logprobs
+from molt.optimizer import OptimizerSettings
+from molt.parallelize import ShardingPlan
 from molt.checkpoint import save_checkpoint
 
 PROBE = list(range(3, 45))
@@ -21,8 +23,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "export_hf.py"
 def _train_and_save(rank, world_size, model_dir, root):
     group = dist.group.WORLD
     model = build_actor_model(model_dir, mesh=DeviceMesh.from_group(group, "cpu"), device=torch.device("cpu"),
-                              dtype=torch.float32)
-    actor = Actor(model, group=group, device=torch.device("cpu"), lr=1e-3)
+                              plan=ShardingPlan())
+    actor = Actor(model, group=group, device=torch.device("cpu"), optimizer=OptimizerSettings(lr=1e-3))
     generator = torch.Generator().manual_seed(rank + 1)
     with torch.no_grad():  # each rank moves its own shard: the whole model changes
         for param in model.parameters():

@@ -40,10 +40,11 @@ def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_ref
     from torch.distributed.device_mesh import DeviceMesh
 
     from molt.actor import build_actor_model, compute_token_logprobs
+    from molt.parallelize import ShardingPlan
 
     group = dist.group.WORLD
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
-    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), dtype=torch.float32)
+    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
     shards = list(model.parameters())
     sender = RefitSender(model, is_sender=rank == 0, bucket_bytes=256 << 10, timeout_seconds=60)
     if rank == 0:

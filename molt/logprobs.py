@@ -1,0 +1,137 @@
+"""Token log-probs and entropy straight from the LM head, in sequence chunks.
+
+The plain path materialises `hidden @ weight.T` as a [tokens, vocab] tensor, upcasts it, divides
+it by the temperature and keeps a softmax for backward: at 16K tokens x 152K vocab one float32
+copy of the logits is ~10 GB, and autograd keeps several. Here the LM head and the loss head are
+one autograd function that walks the tokens `chunk_tokens` rows at a time, keeps only [tokens]
+results (log-probs, logsumexp, entropy) and recomputes each chunk's logits in backward, so no
+tensor larger than [chunk_tokens, vocab] is ever alive (the same idea as the fused linear +
+cross-entropy kernels in Liger-Kernel and Apple's Cut Cross-Entropy, in plain PyTorch ops).
+"""
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+
+def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float,
+                             chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """[tokens] log softmax(z)[target] and, if `with_entropy`, [tokens] entropy of softmax(z), where
+    z = (hidden @ weight.T) / temperature in at least float32 (float64 stays float64).
+
+    Why: whole logits do not fit; at 16K tokens x 152K vocab one float32 copy is ~10 GB and
+    autograd keeps several. Peak extra memory here is a few [chunk_tokens, vocab] tensors in that
+    dtype (logits, probabilities, their gradient) plus a [vocab, hidden_size] gradient accumulator
+    for `weight`. Backward recomputes each chunk's logits: one more `hidden @ weight.T` of compute.
+
+    Args:
+        hidden: [tokens, hidden_size] final hidden states (any float dtype).
+        weight: [vocab, hidden_size] LM head weight, same dtype as `hidden`.
+        targets: [tokens] long, the token each position predicts.
+        temperature: the sampling temperature the logits are divided by (> 0).
+        chunk_tokens: rows of [chunk_tokens, vocab] logits computed at a time (> 0).
+        with_entropy: also return the entropy (and take its gradient in backward).
+    """
+    _check_inputs(hidden, weight, targets, temperature, chunk_tokens)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int) -> None:
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [tokens, hidden_size] and weight [vocab, hidden_size], "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [tokens] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}; "
+                         f"cast hidden to the LM head's dtype first")
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, logsumexp: Tensor | None,
+                    temperature: float) -> tuple[Tensor, Tensor]:
+    """One chunk's [chunk, vocab] log-probs and [chunk] logsumexp; `logsumexp` is computed when
+    None (forward) and reused when given (backward)."""
+    # At least float32: bf16 log-probs are too coarse for importance ratios. The matmul (or the
+    # upcast) output is fresh, so the temperature and the normaliser are applied in place.
+    logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))  # [chunk, vocab]
+    logits.div_(temperature)
+    if logsumexp is None:
+        logsumexp = torch.logsumexp(logits, dim=-1)  # [chunk]
+    return logits.sub_(logsumexp.unsqueeze(-1)), logsumexp
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """See `compute_chunked_logprobs`. Saves hidden, weight, targets and the [tokens] logsumexp
+    and entropy, never logits."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        num_tokens = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logprobs = hidden.new_empty(num_tokens, dtype=dtype)  # [tokens]
+        logsumexp = hidden.new_empty(num_tokens, dtype=dtype)  # [tokens]
+        entropy = hidden.new_empty(num_tokens, dtype=dtype) if with_entropy else None  # [tokens]
+        for start in range(0, num_tokens, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk_logprobs, logsumexp[rows] = _chunk_logprobs(hidden[rows], weight, None, temperature)
+            logprobs[rows] = chunk_logprobs.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[rows] = -(chunk_logprobs.exp() * chunk_logprobs).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.set_materialize_grads(False)  # a None grad means that output did not reach the loss
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None,
+                 grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, logsumexp, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
+        # Summed over every chunk, so kept wide and rounded to weight's dtype once at the end.
+        grad_weight = weight.new_zeros(weight.shape, dtype=logsumexp.dtype) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            logprobs, _ = _chunk_logprobs(hidden[rows], weight, logsumexp[rows], ctx.temperature)
+            grad_logits = _chunk_grad_logits(logprobs, targets[rows], _rows(entropy, rows),
+                                             _rows(grad_logprobs, rows), _rows(grad_entropy, rows))
+            grad_logits.div_(ctx.temperature)  # z = logits / temperature
+            if need_hidden:
+                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight  # [chunk, hidden_size]
+            if need_weight:
+                grad_weight.addmm_(grad_logits.T, hidden[rows].to(grad_weight.dtype))  # [vocab, hidden_size]
+        grad_weight = grad_weight.to(weight.dtype) if need_weight else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _rows(tensor: Tensor | None, rows: slice) -> Tensor | None:
+    return None if tensor is None else tensor[rows]
+
+
+def _chunk_grad_logits(logprobs: Tensor, targets: Tensor, entropy: Tensor | None,
+                       grad_logprobs: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """[chunk, vocab] d(loss)/dz from one chunk's [chunk, vocab] log-probs, built in place over them.
+
+    With p = softmax(z): d log p_t / dz_j = [j = t] - p_j and dH/dz_j = -p_j (log p_j + H), so
+    dz_j = -p_j (g_logprob + g_entropy (log p_j + H)) + g_logprob [j = t].
+    """
+    probs = logprobs.exp()  # [chunk, vocab]
+    grad = logprobs  # the same buffer: from here on it holds the gradient, starting from log p
+    if grad_entropy is not None:
+        grad.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        if grad_logprobs is not None:
+            grad.add_(grad_logprobs.unsqueeze(-1))
+    elif grad_logprobs is not None:
+        grad.copy_(grad_logprobs.unsqueeze(-1).expand_as(grad))
+    else:
+        grad.zero_()
+    grad.mul_(probs).neg_()
+    if grad_logprobs is not None:
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+    return grad
