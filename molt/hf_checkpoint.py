@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+# Private, but it is the one function that says which slice of a global tensor a DTensor holds
+# (torch.distributed.checkpoint uses it for the same purpose).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,14 +108,7 @@ def load_sharded_weights(model: nn.Module, model_path: str, *, device: torch.dev
             f"checkpoint {min(key_files)!r}); a bare backbone needs the causal LM's 'model.' "
             f"prefix, so wrap it as molt.critic.ValueModel does")
     materialize_on_device(model, device)
-    bytes_read = 0
-    # One file open at a time: safetensors maps the file, and the pages read count towards this
-    # process's resident memory until the file is closed.
-    for file in dict.fromkeys(key_files[read.key] for read in reads):
-        with safe_open(file, framework="pt") as checkpoint:
-            for read in reads:
-                if key_files[read.key] == file:
-                    bytes_read += copy_into_shard(checkpoint, read, model.get_parameter(read.name))
+    bytes_read = read_into_shards(model, reads, key_files)
     loaded = list(dict.fromkeys(read.name for read in reads))
     logger.info("loaded %d parameters (%.1f MB read on this rank) from %s; %d missing %s; %d "
                 "unexpected checkpoint keys", len(loaded), bytes_read / 1e6, model_path, len(missing),
@@ -147,6 +142,21 @@ def plan_reads(model: nn.Module, key_files: dict[str, Path]) -> tuple[list[Tenso
         else:
             missing.append(names[0])
     return reads, missing
+
+
+def read_into_shards(model: nn.Module, reads: list[TensorRead], key_files: dict[str, Path]) -> int:
+    """Carry out `reads` file by file; returns the bytes read."""
+    reads_by_file: dict[Path, list[TensorRead]] = {}
+    for read in reads:
+        reads_by_file.setdefault(key_files[read.key], []).append(read)
+    bytes_read = 0
+    # One file open at a time: safetensors maps the file, and the pages read count towards this
+    # process's resident memory until the file is closed.
+    for file, file_reads in reads_by_file.items():
+        with safe_open(file, framework="pt") as checkpoint:
+            for read in file_reads:
+                bytes_read += copy_into_shard(checkpoint, read, model.get_parameter(read.name))
+    return bytes_read
 
 
 # A fused expert parameter's per-expert source keys, in the order they are concatenated on dim 1;

@@ -9,6 +9,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (deselected on CPU by launch/test.sh)")
+
+
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory) -> str:
     """A tied-embedding 2-layer Qwen3 with a 64-token vocabulary, for trainer-side tests (actor,
