@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Assemble the torchrun command for a recipe: launch/run.sh configs/demo.py [--set a.b=v ...]
-# The process count is the recipe's trainer + rollout ranks (single node). Multi-node: see README.
+# The process count is the recipe's trainer + rollout ranks (single node). Multi-node: see docs/operations.md (Slurm).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import statistics
@@ -41,6 +42,7 @@ def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
     model = build_empty_model(model_path, dtype=plan.param_dtype)
+    choose_attention(model, device)
     install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
     shard_causal_lm(model, mesh=mesh, plan=plan)
     report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
@@ -51,6 +53,15 @@ def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("sharding untied the input and output embeddings of a tied model")
     return model
+
+
+def choose_attention(model: nn.Module, device: torch.device) -> None:
+    """On CUDA with flash-attn installed, attention runs as flash attention, which takes a packed row's
+    per-sequence position ids as variable-length sequences; elsewhere (and on CPU) Hugging Face's sdpa
+    builds a block-diagonal causal mask from the same position ids. Not yet run on a GPU."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        model.set_attn_implementation("flash_attention_2")
+        logger.info("attention: flash_attention_2 (packed rows as variable-length sequences)")
 
 
 class ScoringHead(nn.Module):
@@ -362,7 +373,7 @@ class Actor(TrainableModel):
 
 def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_windows: int) -> dict[str, float]:
     """The step's policy metrics from its windows: per-token statistics pooled over every window
-    run (all epochs), the loss and gradient norm averaged over the windows that stepped."""
+    run (all epochs), the loss and gradient norm averaged over them (so a non-finite one shows)."""
     total: dict[str, float] = {}
     for result in results:
         for name, value in result.totals.items():
@@ -370,8 +381,8 @@ def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_wind
     per_token = 1.0 / max(total.get("action_tokens", 0.0), 1.0)
     stepped = [result for result in results if result.stepped]
     metrics = {
-        "loss": statistics.fmean(r.totals["loss"] for r in stepped) if stepped else math.nan,
-        "grad_norm": statistics.fmean(r.grad_norm for r in stepped) if stepped else math.nan,
+        "loss": statistics.fmean(r.totals["loss"] for r in results),
+        "grad_norm": statistics.fmean(r.grad_norm for r in results),
         "clip_fraction": total.get("clipped_tokens", 0.0) * per_token,
         "ratio_mean": total.get("ratio_sum", 0.0) * per_token,
         # KL(behaviour || trainer) per token: how far the engine's sampler is from the trainer.
@@ -394,7 +405,7 @@ def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_wind
 def check_packing(actor: Actor, pad_token_id: int, compute_dtype: torch.dtype) -> bool:
     """Whether the model keeps attention within each sequence of a packed row: score two short
     random sequences packed and padded (collective, a few positions). Hugging Face's sdpa, eager and
-    flash attention implementations honour per-sequence position ids; one that does not would let a
+    flash attention implementations honour per-sequence position ids (see `choose_attention`); one that does not would let a
     sequence attend to the one before it, so packing is then turned off with a warning."""
     generator = torch.Generator().manual_seed(0)
     vocab_size = actor.model.config.vocab_size

@@ -57,7 +57,8 @@ class MicroBatch:
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments of the model's forward: padded rows with their attention mask, or one
         packed row with per-sequence position ids (Hugging Face then keeps attention within each
-        sequence: a block-diagonal causal mask, or varlen flash attention on GPU)."""
+        sequence: a block-diagonal causal mask, or variable-length flash attention on CUDA where
+        flash-attn is installed: molt.actor.choose_attention)."""
         if self.packed_index is None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         return {"input_ids": self.input_ids.reshape(-1)[self.packed_index][None], "position_ids": self.position_ids}

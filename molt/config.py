@@ -176,7 +176,7 @@ TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 class AlgorithmConfig:
     advantage_estimator: str = "grpo"
     """grpo | dr_grpo | group_mean | rloo (per rollout, within its prompt group) | reinforce_pp |
-    gae (per token; gae trains a critic). Formulas in the README."""
+    gae (per token; gae trains a critic). Formulas in docs/objectives.md."""
     gamma: float = 1.0
     """reinforce_pp, gae: discount per action token (observation tokens between turns cost none)."""
     gae_lambda: float = 0.95

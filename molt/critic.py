@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel
 
-from molt.actor import TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch
+from molt.actor import (TrainableModel, build_actor_model, choose_attention, compute_window_denominator,
+                        score_micro_batch)
 from molt.batch import MicroBatch
 from molt.hf_checkpoint import build_empty_model, load_sharded_weights
 from molt.objectives import compute_value_loss
@@ -61,6 +62,7 @@ def build_value_model(model_path: str, *, mesh: DeviceMesh, device: torch.device
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
     model = ValueModel(build_empty_model(model_path, dtype=plan.param_dtype, auto_class=AutoModel))
+    choose_attention(model.model, device)
     shard_model(model, model.model.layers, mesh=mesh, plan=plan)
     report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
     missing = [name for name in report.missing if not name.startswith("value_head.")]

@@ -209,7 +209,8 @@ def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
     and c the compute bytes (train.compute_dtype), a trainer rank holds its shard S of parameters
     (S x p), gradients (S x p) and AdamW moments (2 x S x p): 16 B/param for float32 master weights;
     plus the largest FSDP unit U gathered in the compute dtype (U x c) and its unsharded gradient on
-    the way to the float32 reduce-scatter (U x 4); plus the loss head's chunk (~3 x chunk x vocab x 4);
+    the way to the float32 reduce-scatter (U x 4); plus the loss head ((3 x chunk + hidden) x vocab x 4:
+    a chunk's float32 logits, probabilities and gradient, and the head's float32 gradient accumulator);
     a frozen reference adds its shard in the compute dtype, a critic its own 16 B/param state.
     """
     from molt.parallelize import ShardingPlan
@@ -238,9 +239,10 @@ def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
     unit = unit_params * (c + 4)
     yield (f"  gathered unit    {_size(unit)}   largest FSDP unit, {unit_name}: {unit_params:,} params x ({c} B "
            f"gathered + 4 B float32 gradient for the reduce-scatter)")
-    head = 3 * train.logprob_chunk_tokens * model.vocab_size * 4
-    yield (f"  loss head        {_size(head)}   ~3 x train.logprob_chunk_tokens={train.logprob_chunk_tokens} x vocab "
-           f"{model.vocab_size:,} x 4 B (float32 logits, probabilities, their gradient)")
+    head = (3 * train.logprob_chunk_tokens + model.hidden_size) * model.vocab_size * 4
+    yield (f"  loss head        {_size(head)}   (3 x train.logprob_chunk_tokens={train.logprob_chunk_tokens} + hidden "
+           f"{model.hidden_size}) x vocab {model.vocab_size:,} x 4 B (float32 logits, probabilities and their "
+           f"gradient per chunk; the LM head's float32 gradient accumulator)")
     kept = model.num_checkpointed_blocks * train.max_tokens_per_micro_batch * model.hidden_size * c
     yield from _describe_activations(cfg, model, kept)
     on_device = unit + head + kept + (0 if plan.cpu_offload else state)

@@ -136,12 +136,12 @@ class Learner:
             for window in windows:
                 result = self.actor.train_window(window, loss)
                 results.append(result)
+                if not result.stepped:  # the step's updates end here, the critic's with the actor's
+                    return results, _mean_metrics(critic_results)
                 if self.critic is not None:
                     critic_results.append(self.critic.train_window(
                         window, old_values=[m.old_values for m in window], returns=[m.returns for m in window],
                         clip_range=self.algo.value_clip or None))
-                if not result.stepped:
-                    return results, _mean_metrics(critic_results)
         return results, _mean_metrics(critic_results)
 
     def _padding_share(self, micro_batches: list[MicroBatch]) -> dict[str, float]:

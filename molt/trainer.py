@@ -77,6 +77,7 @@ class Trainer:
         self.refit_failures = 0  # failed refit attempts so far (each retried or fatal)
         self.skipped_nonfinite_steps = 0  # steps whose loss or gradient norm was not finite
         self.nonfinite_streak = 0
+        self.last_updated_step = 0  # the last step that changed the weights (0: none this run)
 
     def train(self) -> None:
         first_step = self.resume() + 1
@@ -121,6 +122,8 @@ class Trainer:
     def guard_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Count a step whose loss or gradient norm was not finite (every rank sees the same all-reduced
         values, so all agree); after train.max_consecutive_nonfinite_steps in a row, stop the job."""
+        if metrics["updated"]:
+            self.last_updated_step = step
         if not metrics["skipped_nonfinite"]:
             self.nonfinite_streak = 0
             return
@@ -136,9 +139,10 @@ class Trainer:
         if self.nonfinite_streak >= limit:
             raise NonFiniteTrainingError(
                 f"step {step}: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm "
-                f"(train.max_consecutive_nonfinite_steps={limit}); the weights were last updated before step "
-                f"{step - self.nonfinite_streak + 1}. Look for NaN/inf rewards or log-probs, or lower "
-                f"train.learning_rate")
+                f"(train.max_consecutive_nonfinite_steps={limit}); "
+                + (f"the weights were last updated at step {self.last_updated_step}" if self.last_updated_step
+                   else "no step of this run updated the weights")
+                + ". Look for NaN/inf or huge rewards and log-probs, or lower train.learning_rate")
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ import pytest
 
 from test_train_e2e import DEMO, ROOT, _job_sets, _kill_tree, _torchrun
 
+from molt.optimizer import OptimizerSettings, lr_factor
+
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")  # rewards vary: losses are not 0
 # 8 prompts, 4 a step: the checkpoint after step 2 ends epoch 0 exactly (RELIABILITY 13), and the
 # resumed steps 3-4 run epoch 1.
@@ -52,6 +54,9 @@ def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_second
         process.communicate()
 
 
+SCHEDULE = {"train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.min_lr_ratio": 0.1}
+
+
 def _sets(tiny_model_dir, data_dir, out, **fields) -> list[str]:
     return _job_sets(tiny_model_dir, data_dir, out, **{
         "train.num_steps": NUM_STEPS, "checkpoint.interval_steps": INTERVAL, "refit.check_every_steps": 1000,
@@ -83,12 +88,13 @@ def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_p
     sits on; the resumed engines carry the checkpoint's weights before the first new rollout (the
     refit check right after the resume)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, straight))
+    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, straight, **SCHEDULE))
     assert done.returncode == 0, done.stderr[-4000:]
-    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts, killed),
+    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts, killed, **SCHEDULE),
                                    killed / "checkpoints" / f"step_{INTERVAL:08d}" / "COMPLETE")
     assert max(_rows(killed)) < NUM_STEPS  # it was killed mid-run
-    resumed = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, killed, **{"checkpoint.resume": "auto"}))
+    resumed = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, killed, **SCHEDULE,
+                                       **{"checkpoint.resume": "auto"}))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {killed / 'checkpoints' / f'step_{INTERVAL:08d}'}: step {INTERVAL}" in resumed.stderr
 
@@ -101,6 +107,11 @@ def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_p
     for step in range(1, NUM_STEPS + 1):
         for key in ("train/loss", "train/grad_norm", "reward/mean"):
             assert killed_rows[step][key] == pytest.approx(straight_rows[step][key], abs=1e-6), (step, key)
+    # The LR schedule's state came back with the checkpoint: every step ran at its scheduled rate.
+    schedule = OptimizerSettings(lr=1e-3, schedule="cosine", num_steps=NUM_STEPS, warmup_steps=1, min_lr_ratio=0.1)
+    expected_lr = [1e-3 * lr_factor(step, schedule) for step in range(1, NUM_STEPS + 1)]
+    assert [killed_rows[s]["train/lr"] for s in range(1, NUM_STEPS + 1)] == pytest.approx(expected_lr, rel=1e-12)
+    assert [straight_rows[s]["train/lr"] for s in range(1, NUM_STEPS + 1)] == pytest.approx(expected_lr, rel=1e-12)
     # The resumed engines were refitted from the checkpoint before any rollout and score like the trainer.
     assert killed_rows[INTERVAL + 1]["refit/max_abs_logprob_diff"] <= 1e-4
 

@@ -29,6 +29,9 @@ def test_overrides_are_typed():
     assert cfg.data.shuffle is False
     assert cfg.train.adam_betas == (0.8, 0.95)
     assert cfg.name == "x"
+    # A tuple of names takes a plain comma list as well as JSON.
+    assert load_config(DEMO, ["train.no_weight_decay_on=norms,biases"]).train.no_weight_decay_on == ("norms", "biases")
+    assert load_config(DEMO, ['train.no_weight_decay_on=["embeddings"]']).train.no_weight_decay_on == ("embeddings",)
 
 
 @pytest.mark.parametrize("item, expected", [
@@ -106,6 +109,22 @@ def test_streaming_with_partial_rollout_and_importance_correction_passes(tmp_pat
     (lambda c: setattr(c.algorithm, "dual_clip", 0.5), 2, "dual_clip=0.5: use 0"),
     (lambda c: setattr(c.algorithm, "gamma", 0.0), 2, r"algorithm.gamma=0.0: must be in \(0, 1\]"),
     (lambda c: setattr(c.rollout, "num_agent_workers", 0), 2, "rollout.num_agent_workers=0: need at least 1"),
+    (lambda c: setattr(c.train, "param_dtype", "fp32"), 2, "train.param_dtype='fp32': use one of float32"),
+    (lambda c: setattr(c.train, "compute_dtype", "bf16"), 2, "train.compute_dtype='bf16': use '' \\(model.dtype\\)"),
+    (lambda c: setattr(c.train, "activation_checkpointing", "every_n:0"), 2,
+     "train.activation_checkpointing='every_n:0': use none, full or every_n:<k> with k >= 1"),
+    (lambda c: setattr(c.train, "activation_checkpointing", "some"), 2, "train.activation_checkpointing='some'"),
+    (lambda c: setattr(c.train, "lr_schedule", "step"), 2, "train.lr_schedule='step': use one of constant, linear, cosine"),
+    (lambda c: setattr(c.train, "warmup_steps", 101), 2, r"train.warmup_steps=101: must be in \[0, train.num_steps=100\]"),
+    (lambda c: setattr(c.train, "min_lr_ratio", 1.5), 2, r"train.min_lr_ratio=1.5: must be in \[0, 1\]"),
+    (lambda c: setattr(c.train, "no_weight_decay_on", ("norms", "gates")), 2, r"unknown \['gates'\]"),
+    (lambda c: setattr(c.train, "mini_batches_per_step", 65), 2,
+     r"train.mini_batches_per_step=65 exceeds the rollouts of a step \(.* = 64\)"),
+    (lambda c: setattr(c.train, "ppo_epochs", 0), 2, "train.ppo_epochs=0: need at least 1"),
+    (lambda c: setattr(c.train, "logprob_chunk_tokens", 0), 2, "train.logprob_chunk_tokens=0: need at least 1"),
+    (lambda c: setattr(c.train, "max_consecutive_nonfinite_steps", 0), 2, "max_consecutive_nonfinite_steps=0"),
+    (lambda c: (setattr(c, "device", "cpu"), setattr(c.train, "cpu_offload", True)), 2,
+     "train.cpu_offload=True on a CPU run: it keeps parameters, gradients and AdamW state in host memory to save GPU"),
 ])
 def test_validation_names_the_field(tmp_path, change, world_size, expected):
     cfg = _valid_config(tmp_path)

@@ -94,7 +94,7 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert printed_gib(out, "AdamW states") == pytest.approx(2 * shard_gib, abs=0.01)
     assert "stored float32, 4 B/param; compute bfloat16" in out
     config = hf_config("qwen3-30b-a3b")
-    head_gib = 3 * 1024 * config["vocab_size"] * 4 / GIB
+    head_gib = (3 * 1024 + config["hidden_size"]) * config["vocab_size"] * 4 / GIB
     assert printed_gib(out, "loss head") == pytest.approx(head_gib, abs=0.01)
     blocks_gib = config["num_hidden_layers"] * 16384 * config["hidden_size"] * 2 / GIB  # every block checkpointed
     assert printed_gib(out, "block inputs") == pytest.approx(blocks_gib, abs=0.01)

@@ -116,3 +116,34 @@ def _restore_engine_weights(engine, model_dir, plan) -> None:
     received = engine.submit(engine.engine.receive_weights(0))
     sender.broadcast()
     received.result(60)
+
+
+def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_path):
+    """fp32 master weights, a bf16 engine: the plan names bfloat16, the wire carries 2-byte values,
+    and what arrives is each weight cast to bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.refit_receiver import RefitReceiver
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=30, engine_dtype="bfloat16")
+    assert {entry[1] for bucket in sender.wire_plan for entry in bucket} == {"bfloat16"}
+    port = find_free_port("127.0.0.1")
+    receiver, received = RefitReceiver(), {}
+
+    def receive():
+        receiver.molt_join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_seconds=30,
+                                       plan=sender.wire_plan)
+        received.update({name: tensor.clone() for name, tensor in receiver.molt_receive_buckets()})
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender.open_group("127.0.0.1", port, 2)
+    sent = sender.broadcast()
+    thread.join(30)
+    parameters = dict(model.named_parameters())
+    assert sent == sum(p.numel() * 2 for p in parameters.values())
+    assert received.keys() == parameters.keys()
+    for name, parameter in parameters.items():
+        assert received[name].dtype == torch.bfloat16
+        assert torch.equal(received[name], parameter.detach().to(torch.bfloat16)), name

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from molt.optimizer import OptimizerSettings, lr_factor
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
 FLAKY_AGENT = str(Path(__file__).parent / "agents" / "flaky_first_attempt.py")
@@ -323,3 +325,61 @@ def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, dem
         assert row["staleness/max"] <= 1, row
     assert [r["rollout/in_flight"] for r in steps] == [16, 16, 0]  # the next step's sessions ran meanwhile
     assert all(gap <= 1e-4 for gap in (r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r))
+
+
+HUGE_REWARD_AGENT = str(Path(__file__).parent / "agents" / "huge_reward.py")
+
+
+def test_non_finite_steps_push_no_weights_and_repeated_they_stop_the_job_naming_the_step(
+        tmp_path, tiny_model_dir, demo_data_dir):
+    """RELIABILITY 27: rewards of 1e30 make every step's gradient norm overflow. Each such step takes
+    no optimizer step and pushes no weights (the policy version stays 0: the engine keeps the start
+    weights, which the refit check confirms), and the second in a row stops the job naming it."""
+    out = tmp_path / "run"
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": HUGE_REWARD_AGENT, "algorithm.advantage_estimator": "dr_grpo", "train.num_steps": 4,
+        "train.max_consecutive_nonfinite_steps": 2, "refit.check_every_steps": 1, "rollout.max_response_tokens": 8})
+    done = _torchrun(2, DEMO, sets)
+    assert done.returncode != 0
+    assert re.search(r"NonFiniteTrainingError: step 2: 2 consecutive steps had a non-finite loss or gradient norm "
+                     r"\(train.max_consecutive_nonfinite_steps=2\)", done.stderr), done.stderr[-4000:]
+    assert "step 1: non-finite loss" in done.stderr and "no weights pushed" in done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step1 = next(r for r in rows if r["step"] == 1)
+    assert step1["train/skipped_nonfinite_steps"] == 1.0 and step1["train/optimizer_steps"] == 0.0
+    assert step1["train/grad_norm"] is None or not math.isfinite(step1["train/grad_norm"])  # JSON writes inf/nan as null
+    assert step1["policy_version"] == 0.0 and "time/refit" not in step1
+    # Checked after step 1: the engine still serves the initial weights, and so does the trainer.
+    assert step1["refit/max_abs_logprob_diff"] <= 1e-4
+
+
+def test_trainer_scale_options_run_in_a_real_job(tmp_path, tiny_model_dir, demo_data_dir):
+    """Every trainer option selectable from a recipe in one job of 2 FSDP2 trainer ranks: float32
+    master weights under bf16 compute (the engine serves float32: refit casts), every block
+    checkpointed, small log-prob chunks, packing, 2 mini-batches x 2 epochs, a cosine schedule with
+    warmup, no decay on norms and biases."""
+    out = tmp_path / "run"
+    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "train.learning_rate": 1e-3,
+        "train.param_dtype": "float32", "train.compute_dtype": "bfloat16", "train.activation_checkpointing": "full",
+        "train.logprob_chunk_tokens": 16, "train.packing": True, "train.mini_batches_per_step": 2,
+        "train.ppo_epochs": 2, "train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.min_lr_ratio": 0.1,
+        "train.weight_decay": 0.01, "train.no_weight_decay_on": "norms,biases",
+        "algorithm.importance_level": "token", "algorithm.importance_mode": "trunc"})
+    done = _torchrun(3, f"{DEMO}:two_trainers", sets)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "train.packing" not in done.stderr  # the packing check passed: no fallback warning
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    schedule = OptimizerSettings(lr=1e-3, schedule="cosine", num_steps=3, warmup_steps=1, min_lr_ratio=0.1)
+    assert [r["train/lr"] for r in steps] == pytest.approx([1e-3 * lr_factor(s, schedule) for s in (1, 2, 3)])
+    for row in steps:
+        assert row["train/optimizer_steps"] == 4.0 and row["train/skipped_nonfinite_steps"] == 0.0, row
+        assert row["train/padding_share"] == 0.0  # packed: no padding computed
+        assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+        assert row["policy_version"] == row["step"]
+    assert any(r["train/clip_fraction"] > 0 or r["train/ratio_mean"] != 1.0 for r in steps)
+    # bf16 compute against a float32 engine: close, not equal.
+    gaps = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
+    assert len(gaps) == 2 and all(gap < 0.1 for gap in gaps), gaps
