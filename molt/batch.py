@@ -20,9 +20,9 @@ class MicroBatch:
     """The experiences of one forward/backward. Always at least one row, maybe no action tokens.
 
     The objectives see right-padded rows, one experience each. The model sees either those rows
-    (with an attention mask) or, packed, one row of the experiences back to back with no padding,
-    per-sequence position ids and attention kept within each sequence (`model_inputs`); `to_rows`
-    brings what the model computed per token back to the padded rows.
+    (with an attention mask) or, packed, rows holding several experiences back to back, each with
+    its own position ids, so attention stays within each (`model_inputs`); `to_rows` brings what
+    the model computed per token back to the padded rows. See `LAYOUTS`.
     """
 
     input_ids: torch.Tensor  # [batch, seq] long
@@ -33,8 +33,9 @@ class MicroBatch:
     rewards: torch.Tensor  # [batch] float64, each row's rollout reward (0 for a filler row)
     rows: list[int]  # [batch] index of each row's experience in the rank's list; -1 = filler
     # Packed micro-batches only (None when padded):
-    position_ids: torch.Tensor | None = None  # [1, packed] each token's position in its own sequence
-    packed_index: torch.Tensor | None = None  # [packed] each packed token's index in input_ids.view(-1)
+    packed_ids: torch.Tensor | None = None  # [packed_rows, width] the packed token ids (pad at row ends)
+    position_ids: torch.Tensor | None = None  # [packed_rows, width] each token's position in its own sequence
+    packed_index: torch.Tensor | None = None  # [packed_rows * width] index into input_ids.view(-1); -1 = pad
     # Filled per step by the learner when the objective needs them ([batch, seq], 0 off actions):
     ref_logprobs: torch.Tensor | None = None  # the frozen reference policy's log-probs
     old_values: torch.Tensor | None = None  # the critic's values before this step's update
@@ -51,23 +52,24 @@ class MicroBatch:
 
     @property
     def num_model_tokens(self) -> int:
-        """Positions the model computes: the packed length, or rows x longest row."""
-        return self.packed_index.numel() if self.packed_index is not None else self.input_ids.numel()
+        """Positions the model computes (packed rows x width, or padded rows x longest row)."""
+        return self.packed_ids.numel() if self.packed_ids is not None else self.input_ids.numel()
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments of the model's forward: padded rows with their attention mask, or one
-        packed row with per-sequence position ids (Hugging Face then keeps attention within each
-        sequence: a block-diagonal causal mask, or variable-length flash attention on CUDA where
-        flash-attn is installed: molt.actor.choose_attention)."""
-        if self.packed_index is None:
+        """Keyword arguments of the model's forward: padded rows with their attention mask, or packed
+        rows with per-sequence position ids and no mask (Hugging Face then keeps attention within
+        each sequence: a block-diagonal causal mask per row, or variable-length flash attention on
+        CUDA where flash-attn is installed: molt.actor.choose_attention)."""
+        if self.packed_ids is None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
-        return {"input_ids": self.input_ids.reshape(-1)[self.packed_index][None], "position_ids": self.position_ids}
+        return {"input_ids": self.packed_ids, "position_ids": self.position_ids}
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[batch, seq] from per-token `values` laid out like `model_inputs()` (0 on padding)."""
-        if self.packed_index is None:
+        if self.packed_ids is None:
             return values
-        flat = values.new_zeros(self.input_ids.numel()).index_copy(0, self.packed_index, values.reshape(-1))
+        real = self.packed_index >= 0
+        flat = values.new_zeros(self.input_ids.numel()).index_copy(0, self.packed_index[real], values.reshape(-1)[real])
         return flat.view(self.input_ids.shape)
 
     def to(self, device: torch.device) -> MicroBatch:
@@ -118,24 +120,34 @@ def assign_to_ranks(experiences: list[Experience], num_ranks: int) -> list[list[
     return [sorted(indices) for indices in assignment]
 
 
+LAYOUTS = ("padded", "rows", "row")
+"""How a micro-batch's experiences are laid out for the model (`molt.actor.packing_layout` picks one):
+- padded: one experience per row, right-padded to the longest; budget rows x longest.
+- rows: packed into rows as wide as the micro-batch's longest experience, first-fit decreasing, pad
+  only at row ends; budget rows x width. Attention cost stays rows x width^2, as padded, which a
+  block-diagonal mask (sdpa, eager: CPU) needs.
+- row: one packed row of at most the budget (flash attention's variable-length kernels, whose cost
+  is the sequences' own, not the row's)."""
+
+
 def split_into_windows(experiences: list[Experience], num_windows: int) -> list[list[int]]:
     """Experience indices of each optimizer window (PPO mini-batch), balanced by tokens like ranks."""
     return assign_to_ranks(experiences, num_windows)
 
 
 def count_window_micro_batches(experiences: list[Experience], *, num_windows: int, max_tokens_per_micro_batch: int,
-                               packing: bool) -> list[int]:
+                               layout: str) -> list[int]:
     """Micro-batches each window of `build_windows` needs for these experiences (0 for an empty one).
 
     The controller takes the max over ranks per window, so every rank runs as many forwards and
     backwards in each window and joins every FSDP collective."""
     return [count_micro_batches([experiences[i] for i in window], max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                packing=packing)
+                                layout=layout)
             for window in split_into_windows(experiences, num_windows)]
 
 
 def build_windows(experiences: list[Experience], *, num_windows: int, micro_batch_counts: list[int],
-                  max_tokens_per_micro_batch: int, pad_token_id: int, packing: bool) -> list[list[MicroBatch]]:
+                  max_tokens_per_micro_batch: int, pad_token_id: int, layout: str) -> list[list[MicroBatch]]:
     """This rank's experiences as `num_windows` optimizer windows of micro-batches, each padded with
     empty micro-batches to `micro_batch_counts[window]`. Rows index the rank's whole list."""
     if len(micro_batch_counts) != num_windows:
@@ -144,7 +156,7 @@ def build_windows(experiences: list[Experience], *, num_windows: int, micro_batc
     for window, count in zip(split_into_windows(experiences, num_windows), micro_batch_counts):
         micro_batches = build_micro_batches([experiences[i] for i in window], max_tokens_per_micro_batch=
                                             max_tokens_per_micro_batch, pad_token_id=pad_token_id,
-                                            num_micro_batches=count, packing=packing)
+                                            num_micro_batches=count, layout=layout)
         for micro_batch in micro_batches:
             micro_batch.rows = [window[row] if row >= 0 else -1 for row in micro_batch.rows]
         windows.append(micro_batches)
@@ -152,13 +164,13 @@ def build_windows(experiences: list[Experience], *, num_windows: int, micro_batc
 
 
 def count_micro_batches(experiences: list[Experience], *, max_tokens_per_micro_batch: int,
-                        packing: bool = False) -> int:
+                        layout: str = "padded") -> int:
     """How many micro-batches `build_micro_batches` needs for these experiences (0 if none).
 
     Ranks all-reduce the max of this so each pads to the same count.
     """
     lengths = [experience.num_tokens for experience in experiences]
-    return len(_group_by_budget(lengths, max_tokens_per_micro_batch, packing))
+    return len(_group_by_budget(lengths, max_tokens_per_micro_batch, layout))
 
 
 def build_micro_batches(
@@ -168,12 +180,10 @@ def build_micro_batches(
     max_tokens_per_micro_batch: int,
     pad_token_id: int,
     num_micro_batches: int | None = None,
-    packing: bool = False,
+    layout: str = "padded",
 ) -> list[MicroBatch]:
-    """Group experiences into micro-batches of at most `max_tokens_per_micro_batch` tokens.
-
-    Padded (packing False), the budget counts rows x longest row; packed, the experiences' own
-    tokens (first-fit decreasing into rows of the budget). A sequence longer than the budget gets
+    """Group experiences into micro-batches of at most `max_tokens_per_micro_batch` computed
+    positions in the given layout (`LAYOUTS`), longest first. A sequence longer than the budget gets
     a micro-batch of its own. With `num_micro_batches`, the list is padded with empty micro-batches
     (one real-token row with no actions) up to that count, so every rank runs the same number of
     forwards and backwards and joins every FSDP collective.
@@ -182,6 +192,8 @@ def build_micro_batches(
         advantages: one per experience, broadcast onto its action tokens; None leaves them 0 (the
             learner fills them in per step).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     if advantages is None:
         advantages = [0.0] * len(experiences)
     if len(advantages) != len(experiences):
@@ -192,8 +204,9 @@ def build_micro_batches(
     lengths = [experience.num_tokens for experience in experiences]
     if min(lengths, default=1) < 1:
         raise ValueError("every experience needs at least one token; got an empty token_ids")
-    groups = _group_by_budget(lengths, max_tokens_per_micro_batch, packing)
-    micro_batches = [_collate(experiences, advantages, group, pad_token_id, packing) for group in groups]
+    groups = _group_by_budget(lengths, max_tokens_per_micro_batch, layout)
+    micro_batches = [_collate(experiences, advantages, rows, pad_token_id, packed=layout != "padded")
+                     for rows in groups]
     if num_micro_batches is not None:
         if num_micro_batches < len(micro_batches):
             raise ValueError(
@@ -201,34 +214,54 @@ def build_micro_batches(
                 f"these experiences need; pass the max of count_micro_batches over ranks"
             )
         num_empty = num_micro_batches - len(micro_batches)
-        micro_batches.extend(_empty_micro_batch(pad_token_id, packing) for _ in range(num_empty))
+        micro_batches.extend(_empty_micro_batch(pad_token_id, packed=layout != "padded") for _ in range(num_empty))
     return micro_batches
 
 
-def _group_by_budget(lengths: list[int], max_tokens: int, packing: bool) -> list[list[int]]:
-    """Indices grouped longest first within the budget: padded, rows x longest <= max_tokens (the
-    next pack opens when one is full); packed, sum of lengths <= max_tokens (first fit)."""
+def _group_by_budget(lengths: list[int], max_tokens: int, layout: str) -> list[list[list[int]]]:
+    """Micro-batches, each a list of rows of experience indices, longest first within the budget.
+
+    padded and rows: a micro-batch's width is its first (longest) experience; an experience joins
+    the first row of the last micro-batch with room (rows only), else a new row while rows x width
+    fits the budget, else opens the next micro-batch. row: one row per micro-batch, first fit."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
-    groups: list[list[int]] = []
-    used: list[int] = []  # packed tokens of each group
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if packing:
-            target = next((g for g, tokens in enumerate(used) if tokens + lengths[index] <= max_tokens), None)
-        else:  # sorted longest first, so a group's first row sets its padded length
-            fits = groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens
-            target = len(groups) - 1 if fits else None
-        if target is None:
-            groups.append([])
-            used.append(0)
-            target = len(groups) - 1
-        groups[target].append(index)
-        used[target] += lengths[index]
-    return groups
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if layout == "row":
+        rows: list[list[int]] = []
+        used: list[int] = []
+        for index in order:
+            row = next((r for r, tokens in enumerate(used) if tokens + lengths[index] <= max_tokens), None)
+            if row is None:
+                rows.append([])
+                used.append(0)
+                row = len(rows) - 1
+            rows[row].append(index)
+            used[row] += lengths[index]
+        return [[row] for row in rows]
+    batches: list[list[list[int]]] = []
+    used = []  # tokens in each row of the last micro-batch
+    for index in order:
+        length = lengths[index]
+        if batches:
+            width = lengths[batches[-1][0][0]]
+            row = next((r for r, tokens in enumerate(used) if tokens + length <= width), None)
+            if layout == "rows" and row is not None:
+                batches[-1][row].append(index)
+                used[row] += length
+                continue
+            if (len(batches[-1]) + 1) * width <= max_tokens:
+                batches[-1].append([index])
+                used.append(length)
+                continue
+        batches.append([[index]])
+        used = [length]
+    return batches
 
 
-def _collate(all_experiences: list[Experience], all_advantages: list[float], rows: list[int],
-             pad_token_id: int, packing: bool) -> MicroBatch:
+def _collate(all_experiences: list[Experience], all_advantages: list[float], packed_rows: list[list[int]],
+             pad_token_id: int, packed: bool) -> MicroBatch:
+    rows = [index for packed_row in packed_rows for index in packed_row]  # one padded row per experience
     experiences = [all_experiences[i] for i in rows]
     advantages = [all_advantages[i] for i in rows]
     num_rows, seq_len = len(experiences), max(e.num_tokens for e in experiences)
@@ -243,28 +276,47 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], row
         action_mask[row, :n] = torch.tensor(experience.action_mask, dtype=torch.float32)
         behavior_logprobs[row, :n] = torch.tensor(experience.behavior_logprobs, dtype=torch.float32)
     row_advantages = torch.tensor(advantages, dtype=torch.float32)[:, None]  # [batch, 1]
-    position_ids = packed_index = None
-    if packing:
-        lengths = [e.num_tokens for e in experiences]
-        packed_index = torch.cat([row * seq_len + torch.arange(n) for row, n in enumerate(lengths)])
-        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    return MicroBatch(
+    micro_batch = MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         action_mask=action_mask,
         behavior_logprobs=behavior_logprobs * action_mask,
         advantages=row_advantages * action_mask,
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float64),
-        rows=list(rows),
-        position_ids=position_ids,
-        packed_index=packed_index,
+        rows=rows,
     )
+    if packed:
+        lengths = [[all_experiences[i].num_tokens for i in packed_row] for packed_row in packed_rows]
+        _pack(micro_batch, lengths, pad_token_id)
+    return micro_batch
 
 
-def _empty_micro_batch(pad_token_id: int, packing: bool) -> MicroBatch:
+def _pack(micro_batch: MicroBatch, lengths: list[list[int]], pad_token_id: int) -> None:
+    """Fill the packed layout: packed row r holds the sequences of `lengths[r]` back to back (padded
+    rows in the same order), then a pad tail numbered as a sequence of its own."""
+    width, seq_len = max(sum(row) for row in lengths), micro_batch.input_ids.shape[1]
+    indices, positions, padded_row = [], [], 0
+    for row in lengths:
+        for length in row:
+            indices.append(padded_row * seq_len + torch.arange(length))
+            positions.append(torch.arange(length))
+            padded_row += 1
+        tail = width - sum(row)
+        indices.append(torch.full((tail,), -1, dtype=torch.long))
+        positions.append(torch.arange(tail))
+    packed_index = torch.cat(indices)
+    real = packed_index >= 0
+    packed_ids = torch.full((len(lengths) * width,), pad_token_id, dtype=torch.long)
+    packed_ids[real] = micro_batch.input_ids.reshape(-1)[packed_index[real]]
+    micro_batch.packed_ids = packed_ids.view(len(lengths), width)
+    micro_batch.position_ids = torch.cat(positions).view(len(lengths), width)
+    micro_batch.packed_index = packed_index
+
+
+def _empty_micro_batch(pad_token_id: int, packed: bool) -> MicroBatch:
     # The filler token is marked real (attention 1) so attention never sees a fully masked row,
     # which would put NaNs into the forward; with no action tokens it adds nothing to the loss.
-    return MicroBatch(
+    micro_batch = MicroBatch(
         input_ids=torch.full((1, 1), pad_token_id, dtype=torch.long),
         attention_mask=torch.ones((1, 1), dtype=torch.long),
         action_mask=torch.zeros((1, 1)),
@@ -272,6 +324,7 @@ def _empty_micro_batch(pad_token_id: int, packing: bool) -> MicroBatch:
         advantages=torch.zeros((1, 1)),
         rewards=torch.zeros(1, dtype=torch.float64),
         rows=[-1],
-        position_ids=torch.zeros((1, 1), dtype=torch.long) if packing else None,
-        packed_index=torch.zeros(1, dtype=torch.long) if packing else None,
     )
+    if packed:
+        _pack(micro_batch, [[1]], pad_token_id)
+    return micro_batch

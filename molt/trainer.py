@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, build_actor_model, check_packing
+from molt.actor import Actor, build_actor_model, choose_layout
 from molt.batch import assign_to_ranks, build_windows, count_window_micro_batches
 from molt.checkpoint import load_checkpoint, read_wandb_run_id, resolve_resume, save_checkpoint
 from molt.config import MoltConfig
@@ -53,7 +53,8 @@ class Trainer:
         self.actor = Actor(model, group=group, device=device, optimizer=optimizer_settings(cfg),
                            max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
         self.learner = Learner(cfg, self.actor, mesh=mesh, group=group, device=device)
-        self.packing = cfg.train.packing and check_packing(self.actor, self.pad_token_id, plan.forward_dtype)
+        self.micro_batch_layout = (choose_layout(self.actor, self.pad_token_id, plan.forward_dtype) if cfg.train.packing
+                       else "padded")  # molt.batch.LAYOUTS
         self.refit = RefitSender(model, is_sender=self.is_controller,
                                  bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
                                  timeout_seconds=cfg.refit.timeout_seconds, engine_dtype=cfg.model.dtype)
@@ -97,9 +98,9 @@ class Trainer:
                 windows = build_windows(
                     experiences, num_windows=len(micro_batch_counts), micro_batch_counts=micro_batch_counts,
                     max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
-                    pad_token_id=self.pad_token_id, packing=self.packing)
+                    pad_token_id=self.pad_token_id, layout=self.micro_batch_layout)
                 train_metrics = self.learner.train_step(windows, info)
-            self.guard_nonfinite(step, train_metrics)
+            self.count_nonfinite(step, train_metrics)
             if train_metrics["updated"]:
                 with self.timer.stage("refit"):
                     self.push_weights(version=self.policy_version + 1)
@@ -113,15 +114,16 @@ class Trainer:
                                     "policy_version": float(self.policy_version),
                                     **process_resources("trainer_rank0"),
                                     "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
+            self.stop_after_nonfinite_streak(step)
             interval = self.cfg.checkpoint.interval_steps
             if interval and step % interval == 0:
                 with self.timer.stage("checkpoint"):  # shows in the next step's metrics
                     self.save_checkpoint(step)
         self.shutdown()
 
-    def guard_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+    def count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Count a step whose loss or gradient norm was not finite (every rank sees the same all-reduced
-        values, so all agree); after train.max_consecutive_nonfinite_steps in a row, stop the job."""
+        values, so all agree) and say so; `stop_after_nonfinite_streak` ends the job after too many."""
         if metrics["updated"]:
             self.last_updated_step = step
         if not metrics["skipped_nonfinite"]:
@@ -129,20 +131,24 @@ class Trainer:
             return
         self.skipped_nonfinite_steps += 1
         self.nonfinite_streak += 1
-        limit = self.cfg.train.max_consecutive_nonfinite_steps
         applied = int(metrics["optimizer_steps"])
         if self.is_controller:
             logger.error("step %d: non-finite loss (%s) or gradient norm (%s); the optimizer window took no step "
                          "on any rank (%d earlier window(s) of this step did), %s; %d such step(s) in a row, the job "
                          "stops at train.max_consecutive_nonfinite_steps=%d", step, metrics["loss"], metrics["grad_norm"],
-                         applied, "weights pushed" if applied else "no weights pushed", self.nonfinite_streak, limit)
-        if self.nonfinite_streak >= limit:
-            raise NonFiniteTrainingError(
-                f"step {step}: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm "
-                f"(train.max_consecutive_nonfinite_steps={limit}); "
-                + (f"the weights were last updated at step {self.last_updated_step}" if self.last_updated_step
-                   else "no step of this run updated the weights")
-                + ". Look for NaN/inf or huge rewards and log-probs, or lower train.learning_rate")
+                         applied, "weights pushed" if applied else "no weights pushed", self.nonfinite_streak,
+                         self.cfg.train.max_consecutive_nonfinite_steps)
+
+    def stop_after_nonfinite_streak(self, step: int) -> None:
+        limit = self.cfg.train.max_consecutive_nonfinite_steps
+        if self.nonfinite_streak < limit:
+            return
+        raise NonFiniteTrainingError(
+            f"step {step}: {self.nonfinite_streak} consecutive steps had a non-finite loss or gradient norm "
+            f"(train.max_consecutive_nonfinite_steps={limit}); "
+            + (f"the weights were last updated at step {self.last_updated_step}" if self.last_updated_step
+               else "no step of this run updated the weights")
+            + ". Look for NaN/inf or huge rewards and log-probs, or lower train.learning_rate")
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -156,6 +162,7 @@ class Trainer:
         state = load_checkpoint(self.resume_path, trainables=self.trainables(), group=self.group, rank=self.rank)
         self.learner.load_state_dict(state["learner"])
         self.policy_version = state["policy_version"]
+        self.skipped_nonfinite_steps = state.get("skipped_nonfinite_steps", 0)
         if self.is_controller:
             self.controller.load_state_dict(state["controller"])
         logger.info("resumed from %s: step %d, policy version %d", self.resume_path, state["step"], self.policy_version)
@@ -165,6 +172,7 @@ class Trainer:
         state = None
         if self.is_controller:
             state = {"step": step, "policy_version": self.policy_version, "learner": self.learner.state_dict(),
+                     "skipped_nonfinite_steps": self.skipped_nonfinite_steps,
                      "controller": self.controller.state_dict(), "wandb_run_id": self.metrics.run_id,
                      "model_path": self.cfg.model.path}
         save_checkpoint(self.cfg.checkpoint_dir, step, trainables=self.trainables(), group=self.group,
@@ -226,7 +234,7 @@ class Trainer:
         counts = [count_window_micro_batches([experiences[i] for i in share],
                                              num_windows=self.cfg.train.mini_batches_per_step,
                                              max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
-                                             packing=self.packing) for share in shares]
+                                             layout=self.micro_batch_layout) for share in shares]
         micro_batch_counts = [max(1, *column) for column in zip(*counts)]  # per window, the busiest rank's
         for rank in range(1, self.num_trainer_ranks):
             self.router.send(f"trainer-{rank}", {

@@ -126,3 +126,36 @@ def test_a_rollout_with_several_segments_counts_once_in_its_group():
     expected = 0.5 / (2 ** -0.5 + 1e-6)
     assert advantages[:4] == pytest.approx([expected, expected, expected, -expected], rel=1e-9)
     assert advantages[4:] == [0.0, 0.0]  # a constant-reward group
+
+
+@pytest.mark.parametrize("layout", ["rows", "row"])
+def test_packed_layouts_respect_the_budget_and_hold_every_token_once(layout):
+    """Packed rows hold each experience's tokens exactly once, back to back, with positions that
+    restart per sequence; the budget bounds the positions computed; rows are as wide as the
+    micro-batch's longest experience (rows) or one row (row)."""
+    experiences = make_experiences(seed=4, count=60) + [make_experience(random.Random(5), 700, 99)]
+    budget = 512
+    micro_batches = build_micro_batches(experiences, max_tokens_per_micro_batch=budget, pad_token_id=PAD,
+                                        layout=layout)
+    assert len(micro_batches) == count_micro_batches(experiences, max_tokens_per_micro_batch=budget, layout=layout)
+    padded = build_micro_batches(experiences, max_tokens_per_micro_batch=budget, pad_token_id=PAD)
+    assert sum(m.num_model_tokens for m in micro_batches) < sum(m.num_model_tokens for m in padded)
+    seen, shared_rows = [], 0
+    for micro_batch in micro_batches:
+        packed_rows, width = micro_batch.packed_ids.shape
+        assert packed_rows * width <= budget or micro_batch.num_real_tokens > budget
+        assert packed_rows == 1 if layout == "row" else width == micro_batch.input_ids.shape[1]
+        index = micro_batch.packed_index.view(packed_rows, width)
+        for row in range(packed_rows):
+            real = index[row] >= 0
+            assert real[: int(real.sum())].all(), "padding only at the row's end"
+            starts = int(((micro_batch.position_ids[row] == 0) & real).sum())
+            shared_rows += starts > 1
+        rows = micro_batch.to_rows(micro_batch.packed_ids.float()).long()
+        assert torch.equal(rows * micro_batch.attention_mask, micro_batch.input_ids * micro_batch.attention_mask)
+        for row in range(len(micro_batch.rows)):
+            length = int(micro_batch.attention_mask[row].sum())
+            seen.append(micro_batch.input_ids[row, :length].tolist())
+        assert micro_batch.num_real_tokens == int((micro_batch.packed_index >= 0).sum())
+    assert shared_rows > 0
+    assert sorted(seen) == sorted(e.token_ids for e in experiences)

@@ -3,6 +3,7 @@ proximal policy), sequence packing against padding, and the non-finite guard."""
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
@@ -41,11 +42,11 @@ def grouped_experiences(seed: int, count: int):
     return experiences, info
 
 
-def windows_of(experiences, num_windows: int, packing: bool = False, budget: int = 10_000):
+def windows_of(experiences, num_windows: int, layout: str = "padded", budget: int = 10_000):
     counts = count_window_micro_batches(experiences, num_windows=num_windows, max_tokens_per_micro_batch=budget,
-                                       packing=packing)
+                                       layout=layout)
     return build_windows(experiences, num_windows=num_windows, micro_batch_counts=[max(1, c) for c in counts],
-                         max_tokens_per_micro_batch=budget, pad_token_id=PAD, packing=packing)
+                         max_tokens_per_micro_batch=budget, pad_token_id=PAD, layout=layout)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -123,16 +124,17 @@ def test_mini_batches_and_epochs_take_one_optimizer_step_each(model_path):
     assert metrics["num_action_tokens"] == sum(e.num_action_tokens for e in grouped_experiences(4, 8)[0])
 
 
-def packing_rank(rank, world_size, model_path):
+def packing_rank(rank, world_size, model_path, layout):
     """Window gradients and entropy-bearing loss terms packed and padded (fp64), and critic values."""
     loss = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, entropy_coef=0.01,
                       importance=("token", "mask", 0.9, 1.1))
     experiences, advantages = make_experiences(seed=6, count=9)
     results = {}
-    for packing in (False, True):
+    for name in ("padded", layout):
         actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-3)
-        micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=120,
-                                            pad_token_id=PAD, packing=packing)
+        # 160 tokens: the padded layout needs two micro-batches; packed, 18 + 18 and 16 + 11 share rows.
+        micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=160,
+                                            pad_token_id=PAD, layout=name)
         sums = actor.compute_window_gradients(micro_batches, loss)
         logprobs = [actor.score(m) for m in micro_batches]
         rows = [(row, m, lp) for m, lp in zip(micro_batches, logprobs) for row in range(len(m.rows))]
@@ -145,17 +147,21 @@ def packing_rank(rank, world_size, model_path):
                 parameter.fill_(0.01)
         values = {m.rows[row]: critic.compute_values(m)[row, :experiences[m.rows[row]].num_tokens]
                   for m in micro_batches for row in range(len(m.rows))}
-        results[packing] = {"grads": full_gradients(actor.model), "sums": {k: v.item() for k, v in sums.items()},
-                            "logprobs": per_experience, "values": values, "num_micro_batches": len(micro_batches),
-                            "model_tokens": sum(m.num_model_tokens for m in micro_batches)}
+        shared = max((int(((m.position_ids == 0) & (m.packed_index.view(m.position_ids.shape) >= 0)).sum(dim=1).max())
+                      for m in micro_batches if m.position_ids is not None), default=0)  # most sequences in a packed row
+        results[name] = {"grads": full_gradients(actor.model), "sums": {k: v.item() for k, v in sums.items()},
+                         "logprobs": per_experience, "values": values, "num_micro_batches": len(micro_batches),
+                         "model_tokens": sum(m.num_model_tokens for m in micro_batches), "shared_row": shared}
     return results
 
 
-def test_packed_log_probs_gradients_and_values_equal_padded(model_path):
-    results = run_ranks(packing_rank, 1, model_path)[0]
-    padded, packed = results[False], results[True]
-    assert packed["num_micro_batches"] < padded["num_micro_batches"]
-    assert packed["model_tokens"] < padded["model_tokens"]  # no padding computed
+@pytest.mark.parametrize("layout", ["rows", "row"])
+def test_packed_log_probs_gradients_and_values_equal_padded(model_path, layout):
+    results = run_ranks(packing_rank, 1, model_path, layout)[0]
+    padded, packed = results["padded"], results[layout]
+    assert packed["shared_row"] >= 2, "some packed row must hold several sequences"
+    assert packed["num_micro_batches"] <= padded["num_micro_batches"]
+    assert packed["model_tokens"] < padded["model_tokens"]  # less padding computed
     for index, logprobs in padded["logprobs"].items():
         torch.testing.assert_close(packed["logprobs"][index], logprobs, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(packed["values"][index], padded["values"][index], rtol=1e-10, atol=1e-12)
