@@ -222,8 +222,9 @@ def _group_by_budget(lengths: list[int], max_tokens: int, layout: str) -> list[l
     """Micro-batches, each a list of rows of experience indices, longest first within the budget.
 
     padded and rows: a micro-batch's width is its first (longest) experience; an experience joins
-    the first row of the last micro-batch with room (rows only), else a new row while rows x width
-    fits the budget, else opens the next micro-batch. row: one row per micro-batch, first fit."""
+    the first row with room in any micro-batch (rows only), else a new row of the last micro-batch
+    while rows x width fits the budget, else opens the next micro-batch. row: one row per
+    micro-batch, first fit."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -240,22 +241,22 @@ def _group_by_budget(lengths: list[int], max_tokens: int, layout: str) -> list[l
             used[row] += lengths[index]
         return [[row] for row in rows]
     batches: list[list[list[int]]] = []
-    used = []  # tokens in each row of the last micro-batch
+    used: list[list[int]] = []  # tokens in each row of each micro-batch
     for index in order:
         length = lengths[index]
-        if batches:
-            width = lengths[batches[-1][0][0]]
-            row = next((r for r, tokens in enumerate(used) if tokens + length <= width), None)
-            if layout == "rows" and row is not None:
-                batches[-1][row].append(index)
-                used[row] += length
+        if layout == "rows":  # first fit into any row with room, earlier micro-batches first
+            spot = next(((b, r) for b, rows in enumerate(used) for r, tokens in enumerate(rows)
+                         if tokens + length <= lengths[batches[b][0][0]]), None)
+            if spot is not None:
+                batches[spot[0]][spot[1]].append(index)
+                used[spot[0]][spot[1]] += length
                 continue
-            if (len(batches[-1]) + 1) * width <= max_tokens:
-                batches[-1].append([index])
-                used.append(length)
-                continue
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0][0]] <= max_tokens:
+            batches[-1].append([index])
+            used[-1].append(length)
+            continue
         batches.append([[index]])
-        used = [length]
+        used.append([length])
     return batches
 
 

@@ -26,7 +26,8 @@ One run prints one JSON line per figure, then the command that produced them:
   rollout.prompts_per_step x n_samples_per_prompt experiences, each a real demo prompt
   (tools/make_demo_data.py) through the tiny tokenizer's chat template (12 tokens) plus a response
   of 1..rollout.max_response_tokens tokens, uniformly (the response length of a stated, not
-  sampled, policy).
+  sampled, policy). --packing-lengths long_tail draws responses log-normal instead (median 24
+  tokens, sigma 1, at most 400), a mix where a few long answers set the padded rows' length.
 - gpu_scale (only when named in --figures; needs CUDA, refuses otherwise): a random ~1.1B-parameter
   Qwen3 (hidden 2048, 16 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 6144, vocab
   151936, tied; saved as safetensors to a temp dir and loaded through Molt's sharded loader) on
@@ -50,7 +51,7 @@ baseline, resets the kernel's high-water mark, runs forward + backward and repor
 baseline. Variants alternate, --repeats times each, and the medians are reported.
 
     python tools/bench/trainer.py [--figures loss_head,trainer_tokens_per_second,packing_padding_share,
-                                   packing_tokens_per_second] [--threads 1]
+                                   packing_tokens_per_second] [--threads 1] [--packing-lengths demo|long_tail]
         loss head:  [--tokens 8192] [--vocab 32768] [--hidden 1024] [--chunk-tokens 1024] [--repeats 3]
         trainer:    [--model-hidden 384] [--model-layers 4] [--model-vocab 4096]
                     [--model-intermediate 1152] [--experiences 24] [--micro-batch-tokens 1024]
@@ -92,6 +93,7 @@ MAX_THREADS = 2  # the bench machine's CPUs are shared with other workers
 # Molt's packed layout where attention takes a block-diagonal mask (sdpa on CPU): rows as wide as
 # the micro-batch's longest experience (molt.actor.packing_layout).
 CPU_PACKED_LAYOUT = "rows"
+LONG_TAIL_MAX_TOKENS = 400
 PAD_TOKEN_ID = 0
 CPU = torch.device("cpu")
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM dense BF16 tensor-core peak (no sparsity)
@@ -323,7 +325,7 @@ def build_bare_model(model_path: Path, group: dist.ProcessGroup, learning_rate: 
 
 
 def build_bare_batches(windows: list[list], info) -> list[dict[str, Tensor]]:
-    """The packed micro-batches as plain tensors: input_ids and position_ids [1, packed], each
+    """The packed micro-batches as plain tensors: input_ids and position_ids [packed rows, width], each
     position's target (the next packed token) and its loss weight (that token's GRPO advantage over
     the window's action tokens; 0 where the next token is no action or starts another sequence)."""
     from molt.batch import compute_group_advantages
@@ -335,10 +337,14 @@ def build_bare_batches(windows: list[list], info) -> list[dict[str, Tensor]]:
     for micro_batch in micro_batches:
         inputs = micro_batch.model_inputs()
         row_advantages = torch.tensor([advantages[row] if row >= 0 else 0.0 for row in micro_batch.rows])
-        token_weights = (row_advantages[:, None] * micro_batch.action_mask).reshape(-1)[micro_batch.packed_index]
-        weights = torch.cat([token_weights[1:], token_weights.new_zeros(1)]) / num_actions  # [packed]
+        index = micro_batch.packed_index
+        real = index >= 0  # -1: a pad at a packed row's end
+        token_weights = torch.zeros(index.numel())
+        token_weights[real] = (row_advantages[:, None] * micro_batch.action_mask).reshape(-1)[index[real]]
+        token_weights = token_weights.view(inputs["input_ids"].shape)  # [packed rows, width]
+        weights = torch.cat([token_weights[:, 1:], token_weights.new_zeros(len(token_weights), 1)], dim=1) / num_actions
         batches.append({"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"],
-                        "targets": torch.roll(inputs["input_ids"], -1, dims=-1), "weights": weights[None]})
+                        "targets": torch.roll(inputs["input_ids"], -1, dims=-1), "weights": weights})
     return batches
 
 
@@ -349,7 +355,7 @@ def run_bare_step(model, optimizer: torch.optim.Optimizer, batches: list[dict[st
     for batch in batches:
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-        logprobs = logprobs.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)  # [1, packed]
+        logprobs = logprobs.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)  # [packed rows, width]
         (-(logprobs * batch["weights"]).sum()).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
@@ -416,7 +422,7 @@ def demo_config(model_path: Path):
     return load_config(str(REPO_ROOT / "configs" / "demo.py"), [f"model.path={model_path}"])
 
 
-def demo_experiences(cfg, model_path: Path, *, seed: int = 0) -> list:
+def demo_experiences(cfg, model_path: Path, *, seed: int = 0, long_tail: bool = False) -> list:
     """One demo step: real prompts through the tiny tokenizer's chat template, each group of
     n_samples_per_prompt rollouts with responses of 1..max_response_tokens tokens (uniform)."""
     from transformers import AutoTokenizer
@@ -429,15 +435,24 @@ def demo_experiences(cfg, model_path: Path, *, seed: int = 0) -> list:
     lengths = []
     for row in rows[:rollout.prompts_per_step]:
         prompt = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
-        lengths += [(prompt, rng.randint(1, rollout.max_response_tokens)) for _ in range(rollout.n_samples_per_prompt)]
+        lengths += [(prompt, response_length(rng, rollout.max_response_tokens, long_tail))
+                    for _ in range(rollout.n_samples_per_prompt)]
     return make_experiences(lengths, vocab=len(tokenizer), group_size=rollout.n_samples_per_prompt, seed=seed)
+
+
+def response_length(rng: random.Random, max_response_tokens: int, long_tail: bool) -> int:
+    """The demo's 1..max_response_tokens uniform, or a long tail: log-normal with median 24 tokens,
+    capped at LONG_TAIL_MAX_TOKENS (an agent whose few long answers set each padded row's length)."""
+    if not long_tail:
+        return rng.randint(1, max_response_tokens)
+    return min(LONG_TAIL_MAX_TOKENS, 1 + int(rng.lognormvariate(math.log(24), 1.0)))
 
 
 def build_demo_step(args) -> tuple:
     """(demo config, tiny model path, experiences, {packing: windows}) for the packing figures."""
     model_path = load_test_fixtures().build_cached_tiny_model(preset="tiny")
     cfg = demo_config(model_path)
-    experiences = demo_experiences(cfg, model_path)
+    experiences = demo_experiences(cfg, model_path, long_tail=args.packing_lengths == "long_tail")
     budget = cfg.train.max_tokens_per_micro_batch
     windows = {packing: build_step_windows(experiences, max_tokens_per_micro_batch=budget,
                                            layout=CPU_PACKED_LAYOUT if packing else "padded")
@@ -445,12 +460,14 @@ def build_demo_step(args) -> tuple:
     return cfg, model_path, experiences, windows
 
 
-def describe_demo_step(cfg, experiences: list) -> dict:
+def describe_demo_step(cfg, experiences: list, args) -> dict:
     lengths = [e.num_tokens for e in experiences]
+    responses = ("1..max_response_tokens response tokens, uniform" if args.packing_lengths == "demo" else
+                 f"log-normal response tokens (median 24, sigma 1, at most {LONG_TAIL_MAX_TOKENS})")
     return {"experiences": len(experiences), "tokens_min": min(lengths), "tokens_max": max(lengths),
             "tokens_mean": round(statistics.fmean(lengths), 2),
             "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
-            "lengths": "12-token chat-templated demo prompt + 1..max_response_tokens response tokens, uniform"}
+            "lengths": f"{args.packing_lengths}: 12-token chat-templated demo prompt + {responses}"}
 
 
 def packing_padding_figure(args) -> list[dict]:
@@ -462,7 +479,7 @@ def packing_padding_figure(args) -> list[dict]:
     return [{"figure": "packing_padding_share", "value": round(shares[True], 4), "baseline": round(shares[False], 4),
              "ratio": round(shares[True] / shares[False], 3) if shares[False] else None, "target": None,
              "micro_batches": len(windows[True][0]), "baseline_micro_batches": len(windows[False][0]),
-             **describe_demo_step(cfg, experiences),
+             **describe_demo_step(cfg, experiences, args),
              "path": f"build_windows layout={CPU_PACKED_LAYOUT}", "baseline_path": "build_windows layout=padded"}]
 
 
@@ -480,7 +497,7 @@ def packing_tokens_figure(args) -> list[dict]:
              "baseline": round(real_tokens / padded, 1), "ratio": round(padded / packed, 3), "target": None,
              "step_seconds_median": round(packed, 4), "baseline_step_seconds_median": round(padded, 4),
              "positions_per_step": model_tokens, "baseline_positions_per_step": count_tokens(windows[False])[1],
-             **describe_demo_step(cfg, experiences),
+             **describe_demo_step(cfg, experiences, args),
              "attn_implementation": learner.actor.model.config._attn_implementation,
              "warmup_steps": args.warmup_steps, "measured_steps": args.train_steps, "threads": torch.get_num_threads(),
              "path": "Learner.train_step, demo config, packed micro-batches",
@@ -625,6 +642,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-vocab", type=int, default=4096, help="trainer: vocabulary size")
     parser.add_argument("--experiences", type=int, default=24, help="trainer: experiences per step")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="trainer: max_tokens_per_micro_batch")
+    parser.add_argument("--packing-lengths", choices=("demo", "long_tail"), default="demo",
+                        help="packing: the demo's response lengths, or a long-tailed distribution")
     parser.add_argument("--warmup-steps", type=int, default=3, help="trainer, packing: unmeasured steps of each")
     parser.add_argument("--train-steps", type=int, default=10, help="trainer, packing: measured steps of each")
     parser.add_argument("--gpu-preset", choices=sorted(GPU_PRESETS), default="1b", help="gpu_scale: model size")
