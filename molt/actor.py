@@ -59,9 +59,15 @@ def choose_attention(model: nn.Module, device: torch.device) -> None:
     """On CUDA with flash-attn installed, attention runs as flash attention, which takes a packed row's
     per-sequence position ids as variable-length sequences; elsewhere (and on CPU) Hugging Face's sdpa
     builds a block-diagonal causal mask from the same position ids. Not yet run on a GPU."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return
+    try:
         model.set_attn_implementation("flash_attention_2")
-        logger.info("attention: flash_attention_2 (packed rows as variable-length sequences)")
+    except (ImportError, ValueError) as error:  # e.g. a flash-attn build that does not match torch
+        logger.warning("attention: flash_attention_2 unavailable (%s); using %s, packed rows as wide as the longest "
+                       "experience", error, model.config._attn_implementation)
+        return
+    logger.info("attention: flash_attention_2 (packed rows as variable-length sequences)")
 
 
 class ScoringHead(nn.Module):
