@@ -71,7 +71,9 @@ def test_a_writer_killed_at_random_points_leaves_the_previous_checkpoint_loadabl
         writer.kill()
         writer.join(10)
         complete = complete_checkpoints(root)
-        assert 1 <= len(complete) <= 2  # keep_last=2, even after a kill
+        # keep_last=2; a kill between the newest marker and the rotation (an fsync apart) leaves one
+        # more, which the next save removes. Never none: rotation runs only after the marker.
+        assert 1 <= len(complete) <= 3
         (loaded,) = run_ranks(_load_newest, 1, model_path, str(root), timeout_seconds=120)
         assert loaded["path"] == str(complete[-1])
         expected = json.loads((root / f"expected_{loaded['step']}.json").read_text())
