@@ -201,10 +201,12 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         if self.llm is not None:
-            self.llm.shutdown()
-            # Drop the last reference now: vLLM's __del__ shuts down again, and at interpreter
-            # exit (modules half torn down) that second shutdown raises.
-            self.llm = None
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+            # vLLM's __del__ shuts down again, and where the AsyncLLM lives until interpreter exit
+            # (modules half torn down) that second shutdown raises and prints a traceback; it has
+            # nothing left to do, so it becomes a no-op.
+            llm.shutdown = lambda *args, **kwargs: None
 
 
 def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
