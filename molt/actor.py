@@ -23,7 +23,7 @@ from molt.logprobs import compute_chunked_logprobs
 from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
                              compute_ppo_clip_loss, token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
-from molt.parallelize import ShardingPlan, shard_causal_lm
+from molt.parallelize import ShardingPlan, shard_model
 
 logger = logging.getLogger("molt")
 
@@ -39,20 +39,30 @@ def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device
     files (molt.hf_checkpoint). Parameter names stay the Hugging Face names (FSDP2 adds no wrapper
     prefixes), which is what vLLM's weight loading expects at refit.
     """
-    if device.type != mesh.device_type:
-        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
     model = build_empty_model(model_path, dtype=plan.param_dtype)
-    choose_attention(model, device)
     install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
-    shard_causal_lm(model, mesh=mesh, plan=plan)
-    report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
-    if report.missing:
-        raise RuntimeError(f"{model_path} has no weights for {len(report.missing)} parameters of its own "
-                           f"architecture, e.g. {report.missing[:3]}: is it a complete Hugging Face checkpoint?")
+    shard_and_load(model, model.model, model_path, mesh=mesh, device=device, plan=plan)
     if model.config.tie_word_embeddings and model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("sharding untied the input and output embeddings of a tied model")
     return model
+
+
+def shard_and_load(model: nn.Module, backbone: nn.Module, model_path: str, *, mesh: DeviceMesh,
+                   device: torch.device, plan: ShardingPlan, not_in_checkpoint: str = "") -> None:
+    """The steps every trainer model shares, on a model built on the meta device: pick the
+    attention implementation, shard with the plan (one unit per block of `backbone.layers`, then
+    the root), and fill each rank's shards from `model_path`. Parameters the checkpoint lacks stop
+    the start, except those named with the prefix `not_in_checkpoint` (the critic's value head)."""
+    if device.type != mesh.device_type:
+        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
+    choose_attention(backbone, device)
+    shard_model(model, backbone.layers, mesh=mesh, plan=plan)
+    report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
+    missing = [name for name in report.missing if not (not_in_checkpoint and name.startswith(not_in_checkpoint))]
+    if missing:
+        raise RuntimeError(f"{model_path} has no weights for {len(missing)} parameters of its own architecture, "
+                           f"e.g. {missing[:3]}: is it a complete Hugging Face checkpoint?")
 
 
 def choose_attention(model: nn.Module, device: torch.device) -> None:

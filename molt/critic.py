@@ -12,12 +12,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel
 
-from molt.actor import (TrainableModel, build_actor_model, choose_attention, compute_window_denominator,
-                        score_micro_batch)
+from molt.actor import (TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch,
+                        shard_and_load)
 from molt.batch import MicroBatch
-from molt.hf_checkpoint import build_empty_model, load_sharded_weights
+from molt.hf_checkpoint import build_empty_model
 from molt.objectives import compute_value_loss
-from molt.parallelize import ShardingPlan, shard_model
+from molt.parallelize import ShardingPlan
 
 class ValueModel(nn.Module):
     """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.
@@ -59,16 +59,9 @@ class ValueModel(nn.Module):
 def build_value_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
     """The backbone of a Hugging Face causal LM with a zero value head, sharded and loaded like
     `build_actor_model` (meta device, `shard_model`, each rank reading its own slices)."""
-    if device.type != mesh.device_type:
-        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
     model = ValueModel(build_empty_model(model_path, dtype=plan.param_dtype, auto_class=AutoModel))
-    choose_attention(model.model, device)
-    shard_model(model, model.model.layers, mesh=mesh, plan=plan)
-    report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
-    missing = [name for name in report.missing if not name.startswith("value_head.")]
-    if missing:
-        raise RuntimeError(f"{model_path} has no weights for {len(missing)} parameters of its backbone, "
-                           f"e.g. {missing[:3]}: is it a complete Hugging Face checkpoint?")
+    shard_and_load(model, model.model, model_path, mesh=mesh, device=device, plan=plan,
+                   not_in_checkpoint="value_head.")
     model.reset_value_head()
     return model
 
