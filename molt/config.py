@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -45,13 +46,35 @@ class LayoutConfig:
     num_rollout_ranks: int = 1
     """Ranks T..T+R-1; T + R must equal the torchrun world size."""
     engine_tensor_parallel_size: int = 1
-    """Devices per engine (GPU only; 1 on CPU)."""
+    """Devices per engine: vLLM's tensor-parallel workers, each its own refit rank. On CPU the engine's
+    workers take one core each (VLLM_CPU_OMP_THREADS_BIND, set by Molt when unset)."""
+    trainer_data_parallel_replicate: int = 1
+    """HSDP: replicas of the sharded trainer model (each holds a full FSDP2 copy sharded over
+    num_trainer_ranks / (replicate x tensor x context parallel) ranks; gradients are all-reduced
+    across replicas). 1 = plain FSDP2."""
+    trainer_tensor_parallel_size: int = 1
+    """Tensor parallelism inside each trainer data-parallel rank (Megatron-style column/row-wise
+    attention and MLP, sequence-parallel norms); the ranks of one tensor-parallel group train on the
+    same micro-batches. Must divide num_trainer_ranks and the model's attention and KV heads."""
+    trainer_context_parallel_size: int = 1
+    """Context parallelism (GPU only): each sequence split over this many ranks for attention."""
     gpus_per_node: int = 8
     """GPUs per node: --dry-run places the ranks in order on nodes of this size (a trainer rank on
     one GPU, a rollout rank on its engine's engine_tensor_parallel_size GPUs, all on one node)."""
     gpu_memory_gigabytes: float = 0.0
     """Memory of one GPU in GiB, for --dry-run's check that each trainer rank's shards and each
     engine's weights fit (0 = skip the check)."""
+
+    @property
+    def trainer_data_parallel_shard(self) -> int:
+        """FSDP2 shards per replica: the trainer ranks left after replicate, context and tensor parallel."""
+        return self.num_trainer_ranks // max(1, self.trainer_data_parallel_replicate * self.trainer_tensor_parallel_size
+                                             * self.trainer_context_parallel_size)
+
+    @property
+    def trainer_data_parallel_size(self) -> int:
+        """Trainer ranks that train on different experiences: dp_replicate x dp_shard."""
+        return self.trainer_data_parallel_replicate * self.trainer_data_parallel_shard
 
 
 @dataclass(kw_only=True)
@@ -240,6 +263,9 @@ class RefitConfig:
     max_attempts: int = 2
     """Attempts per refit: after a failed one (an engine reported an error or did not confirm within
     timeout_seconds) the refit group is rebuilt and the refit retried; 1 = the first failure stops the job."""
+    backend: str = "auto"
+    """How weights reach the engines: 'gloo' (host memory over TCP; what CPU runs use), 'nccl'
+    (vLLM's NCCL weight-transfer engine, GPU to GPU), 'auto' = nccl when the trainer runs on CUDA."""
     receiver_cls: str = "molt.refit_receiver.RefitReceiver"
     """The class vLLM mixes into its workers to receive and load weights (a subclass may change how
     they are loaded); a dotted path importable in the engine's worker processes."""
@@ -405,6 +431,21 @@ def _convert(raw: str, hint, key: str):
     raise ConfigError(f"--set {key}: fields of type {_type_name(hint)} cannot be set from the command line")
 
 
+def check_trainer_mesh(layout: LayoutConfig, check) -> None:
+    """The trainer mesh dp_replicate x dp_shard x cp x tp must tile layout.num_trainer_ranks."""
+    sizes = {"trainer_data_parallel_replicate": layout.trainer_data_parallel_replicate,
+             "trainer_context_parallel_size": layout.trainer_context_parallel_size,
+             "trainer_tensor_parallel_size": layout.trainer_tensor_parallel_size}
+    for name, size in sizes.items():
+        check(size >= 1, f"layout.{name}={size}: need at least 1")
+    product = math.prod(max(size, 1) for size in sizes.values())
+    check(layout.num_trainer_ranks % product == 0,
+          f"layout.num_trainer_ranks={layout.num_trainer_ranks} is not a multiple of trainer_data_parallel_replicate "
+          f"x trainer_context_parallel_size x trainer_tensor_parallel_size = "
+          f"{' x '.join(str(size) for size in sizes.values())} = {product}: the trainer mesh is dp_replicate x "
+          f"dp_shard x cp x tp")
+
+
 def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
@@ -434,8 +475,13 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"layout.engine_tensor_parallel_size={tensor_parallel} does not divide layout.gpus_per_node="
           f"{gpus_per_node}: an engine's GPUs must share one node; use one of "
           f"{[size for size in range(1, gpus_per_node + 1) if gpus_per_node % size == 0]}")
-    check(cfg.device != "cpu" or tensor_parallel == 1,
-          f"layout.engine_tensor_parallel_size={tensor_parallel} with device='cpu': CPU engines take 1")
+    check_trainer_mesh(layout, check)
+    check(cfg.device != "cpu" or layout.trainer_context_parallel_size == 1,
+          f"layout.trainer_context_parallel_size={layout.trainer_context_parallel_size} with device='cpu': context "
+          f"parallelism splits attention with PyTorch's CUDA kernels; it is a GPU layout (set 1 on CPU)")
+    check(cfg.refit.backend in ("auto", "gloo", "nccl"), f"refit.backend={cfg.refit.backend!r}: use auto, gloo or nccl")
+    check(cfg.device != "cpu" or cfg.refit.backend != "nccl",
+          "refit.backend='nccl' with device='cpu': NCCL moves GPU memory; CPU runs refit over gloo (set auto or gloo)")
     check(layout.gpu_memory_gigabytes >= 0,
           f"layout.gpu_memory_gigabytes={layout.gpu_memory_gigabytes}: must be >= 0 (0 skips the check)")
     if world_size is not None:
