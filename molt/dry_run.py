@@ -16,21 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from molt.config import ConfigError, LayoutConfig, MoltConfig, validate_config
+from molt.config import ConfigError, MoltConfig, validate_config
+from molt.placement import Placement, count_per_node, describe_launcher, place_ranks, span
 
 GIB = 2**30
 ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.")  # routed experts; a shared expert is dense compute
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one rank runs."""
-
-    rank: int
-    is_trainer: bool
-    node: int
-    local_rank: int  # this process's index among its node's processes
-    gpus: tuple[int, ...]  # GPU indices on its node: one for a trainer, the engine's for a rollout rank
 
 
 @dataclass(frozen=True)
@@ -51,31 +41,10 @@ class ModelFootprint:
     num_checkpointed_blocks: int  # decoder blocks under activation checkpointing
 
 
-def place_ranks(layout: LayoutConfig) -> list[Placement]:
-    """Ranks in order fill nodes of `layout.gpus_per_node` GPUs: a trainer rank takes one GPU, a
-    rollout rank its engine's `engine_tensor_parallel_size` GPUs (vLLM's own workers use them), on
-    one node. Trainers come first, so a trainer's GPU is its local rank (what `resolve_device` uses)."""
-    gpus_per_node, tensor_parallel = layout.gpus_per_node, layout.engine_tensor_parallel_size
-    placements, next_gpu, num_processes = [], 0, {}
-    for rank in range(layout.num_trainer_ranks + layout.num_rollout_ranks):
-        is_trainer = rank < layout.num_trainer_ranks
-        width = 1 if is_trainer else tensor_parallel
-        node, first = divmod(next_gpu, gpus_per_node)
-        if first + width > gpus_per_node:
-            raise ConfigError(
-                f"rank {rank}'s engine would take GPUs {first}-{first + width - 1} of node {node}, which has "
-                f"{gpus_per_node} (layout.gpus_per_node): an engine's GPUs must share one node; make "
-                f"layout.num_trainer_ranks={layout.num_trainer_ranks} a multiple of "
-                f"layout.engine_tensor_parallel_size={tensor_parallel}")
-        local_rank = num_processes.get(node, 0)
-        num_processes[node] = local_rank + 1
-        placements.append(Placement(rank=rank, is_trainer=is_trainer, node=node, local_rank=local_rank,
-                                    gpus=tuple(range(first, first + width))))
-        next_gpu += width
-    return placements
-
-
 def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterator[str]:
+    """The layout, each rank's node and GPUs, the trainer group's timeout and the launch command."""
+    from molt.train import trainer_group_timeout
+
     layout, on_gpu = cfg.layout, cfg.device != "cpu"
     nodes: dict[int, list[Placement]] = {}
     for placement in placements:
@@ -87,12 +56,12 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterato
     if on_gpu:
         for node, members in nodes.items():
             used = sorted({gpu for member in members for gpu in member.gpus})
-            yield (f"  node {node}: {len(members)} process(es), ranks {_span([m.rank for m in members])}, "
-                   f"GPUs {_span(used)}")
+            yield (f"  node {node}: {len(members)} process(es), ranks {span([m.rank for m in members])}, "
+                   f"GPUs {span(used)}")
     yield "ranks:"
     for placement in placements:
         where = (f"node {placement.node}, local rank {placement.local_rank}, "
-                 f"GPU{'s' if len(placement.gpus) > 1 else ''} {_span(list(placement.gpus))}: ") if on_gpu else ""
+                 f"GPU{'s' if len(placement.gpus) > 1 else ''} {span(list(placement.gpus))}: ") if on_gpu else ""
         if placement.is_trainer:
             role = f"trainer (FSDP2 dp shard {placement.rank}/{layout.num_trainer_ranks})"
             role += " + rollout controller + refit sender" if placement.rank == 0 else ""
@@ -100,28 +69,14 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterato
             role = (f"rollout: vLLM engine (tensor parallel {layout.engine_tensor_parallel_size}) + "
                     f"{cfg.rollout.num_agent_workers} agent worker process(es)")
         yield f"  rank {placement.rank}: {where}{role}"
+    yield trainer_group_timeout(cfg).describe(cfg)
     if not on_gpu:
         return
-    nodes_by_count: dict[int, list[int]] = {}
-    for node, members in nodes.items():
-        nodes_by_count.setdefault(len(members), []).append(node)
-    if len(nodes_by_count) == 1:
-        yield (f"launch: torchrun --nnodes {len(nodes)} --nproc_per_node {len(placements) // len(nodes)} "
-               f"-m molt.train --config ...")
-    else:
-        counts = ", ".join(f"{count} on nodes {_span(members)}" for count, members in nodes_by_count.items())
-        yield (f"note: nodes run different numbers of processes ({counts}; a rollout rank is one process, its "
-               f"engine's workers take its GPUs): torchrun's --nproc_per_node and launch/ scripts start the same "
-               f"number on every node, so this needs per-node task counts (e.g. srun --distribution=arbitrary), "
-               f"which Molt has not been run with")
-    yield ("note: each rollout rank pins its engine to the GPUs above with CUDA_VISIBLE_DEVICES "
-           "(molt.train.pin_engine_gpus); that path has not run on GPUs yet")
-
-
-def _span(values: list[int]) -> str:
-    if len(values) > 1 and values == list(range(values[0], values[-1] + 1)):
-        return f"{values[0]}-{values[-1]}"
-    return ",".join(str(value) for value in values)
+    # A rollout rank is one process; its engine's workers take its GPUs.
+    yield f"launch: {describe_launcher(count_per_node(placements))}"
+    yield ("note: at start-up every rank checks its host, LOCAL_RANK and GPUs against this placement "
+           "(molt.placement.check_placement); each rollout rank pins its engine to its GPUs with "
+           "CUDA_VISIBLE_DEVICES (molt.train.pin_engine_gpus); neither has run on GPUs yet")
 
 
 def resolve_architecture(cfg: MoltConfig) -> tuple[str, str]:

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from molt.config import ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, load_config, validate_config
@@ -25,6 +26,63 @@ if TYPE_CHECKING:
 logger = logging.getLogger("molt")
 
 CONTROLLER_KEY = "molt/controller_address"
+NO_CUDA = "device='cuda' but no CUDA device is visible; set --set device=cpu"
+TRAINER_HELLO_SECONDS = 120  # how long the controller waits for the other trainer ranks' hellos
+TIMEOUT_MARGIN_SECONDS = 600
+
+
+@dataclass(frozen=True)
+class TrainerGroupTimeout:
+    """The trainer group's collective timeout (NCCL's watchdog, gloo's per-operation limit) and its
+    parts, in seconds: the longest trainer ranks 1.. may sit in one trainer-group collective while
+    rank 0 waits on engines or rollouts (molt.trainer, molt.controller). Torch's 30-minute default
+    is shorter than one refit timeout of the large recipes."""
+
+    engine_start_seconds: float
+    """At start ranks 1.. go straight into the first refit check's forward pass (or, resuming, the
+    refit's gathers) while rank 0 waits for their hellos (120 s) and every engine
+    (rollout.engine_start_timeout_seconds), then builds the refit group (in refit_seconds)."""
+    refit_seconds: float
+    """Ranks 1.. wait in the refit's gathers and in agree_with_controller while rank 0 sends to and
+    waits for the engines: refit.max_attempts attempts of refit.timeout_seconds, a refit-group build
+    before each (its rendezvous and the engines' join confirmations, refit.timeout_seconds each), and
+    the refit check's scoring on the engines (refit.timeout_seconds, when refit.check_every_steps)."""
+    batch_seconds: float
+    """Rank 0's wait for the next rollout outcome (agent.rollout_timeout_seconds x 2 + 60, the
+    controller's limit for a silent rank) and one payload fetch for its own share
+    (payloads.fetch_timeout_seconds). Today ranks 1.. wait for their share on their controller
+    socket, outside any collective, and only the fetch overlaps their first all-reduce of the step;
+    the rollout term keeps the limit right if the batch moves into a collective."""
+    margin_seconds: float = TIMEOUT_MARGIN_SECONDS
+
+    @property
+    def total_seconds(self) -> float:
+        return self.engine_start_seconds + self.refit_seconds + self.batch_seconds + self.margin_seconds
+
+    def describe(self, cfg: MoltConfig) -> str:
+        """The dry run's line: the total and each part with the fields it comes from."""
+        refit, total = cfg.refit, self.total_seconds
+        check = " + the refit check's scoring" if refit.check_every_steps else ""
+        parts = [
+            f"engine start {self.engine_start_seconds:,.0f} s ({TRAINER_HELLO_SECONDS} s hellos + "
+            f"rollout.engine_start_timeout_seconds={cfg.rollout.engine_start_timeout_seconds:g})",
+            f"refit {self.refit_seconds:,.0f} s (refit.max_attempts={refit.max_attempts} x (attempt + group build: "
+            f"3 x refit.timeout_seconds={refit.timeout_seconds:g}){check})",
+            f"batch {self.batch_seconds:,.0f} s (agent.rollout_timeout_seconds={cfg.agent.rollout_timeout_seconds:g} "
+            f"x 2 + 60 + payloads.fetch_timeout_seconds={cfg.payloads.fetch_timeout_seconds:g})",
+            f"margin {self.margin_seconds:,.0f} s"]
+        return f"trainer group timeout: {total:,.0f} s ({total / 3600:.1f} h) = " + " + ".join(parts)
+
+
+def trainer_group_timeout(cfg: MoltConfig) -> TrainerGroupTimeout:
+    """The trainer group's collective timeout, from the waits rank 0 may make while ranks 1.. sit in
+    a collective (TrainerGroupTimeout's fields say which)."""
+    refit = cfg.refit
+    return TrainerGroupTimeout(
+        engine_start_seconds=TRAINER_HELLO_SECONDS + cfg.rollout.engine_start_timeout_seconds,
+        refit_seconds=(refit.max_attempts * 3 * refit.timeout_seconds
+                       + (refit.timeout_seconds if refit.check_every_steps else 0.0)),
+        batch_seconds=cfg.agent.rollout_timeout_seconds * 2 + 60 + cfg.payloads.fetch_timeout_seconds)
 
 
 def map_slurm_environment(environ: dict) -> None:
@@ -117,7 +175,7 @@ def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     if wanted == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but no CUDA device is visible; set --set device=cpu")
+            raise ConfigError(NO_CUDA)
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -142,7 +200,8 @@ def job_host(environ: dict) -> str:
 
 def describe_layout(cfg: MoltConfig) -> str:
     """Each rank's role (and on GPUs its node and GPUs), as --dry-run prints it."""
-    from molt.dry_run import describe_placements, place_ranks
+    from molt.dry_run import describe_placements
+    from molt.placement import place_ranks
 
     return "\n".join(describe_placements(cfg, place_ranks(cfg.layout)))
 
@@ -182,29 +241,39 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("molt.train must run under torchrun (or srun); e.g. "
                      "torchrun --nproc_per_node=%d -m molt.train --config %s", cfg.world_size, args.config)
         return 2
-    return run(cfg, rank, world_size)
+    from molt.placement import PlacementError
+
+    try:
+        return run(cfg, rank, world_size)
+    except PlacementError as error:  # every rank raises the same one
+        if rank == 0:
+            logger.error("%s", error)
+        else:
+            logger.error("the processes do not match the layout's placement; rank 0 logs how")
+        return 2
 
 
 def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict) -> None:
-    """Make a rollout rank's engine start on its own GPUs (molt.dry_run.place_ranks: trainers take
+    """Make a rollout rank's engine start on its own GPUs (molt.placement.place_ranks: trainers take
     the first GPUs of a node, each engine the next engine_tensor_parallel_size), not on the node's
     first ones, where vLLM starts by default. Indices go through a CUDA_VISIBLE_DEVICES the launcher
-    set for the whole node. Not checked on a GPU yet (the CUDA build of vLLM is not on the machines
+    set for the whole node; where it shows too few GPUs nothing is pinned and the start-up placement
+    check names the rank. Not checked on a GPU yet (the CUDA build of vLLM is not on the machines
     Molt is tested on)."""
     if cfg.device == "cpu":
         return
-    from molt.dry_run import place_ranks
+    from molt.placement import node_gpu_ids, place_ranks
 
-    gpus = place_ranks(cfg.layout)[rank].gpus
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(cfg.layout.gpus_per_node)]
-    environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[gpu] for gpu in gpus)
+    gpus, ids = place_ranks(cfg.layout)[rank].gpus, node_gpu_ids(environ, cfg.layout.gpus_per_node)
+    if gpus[-1] < len(ids):
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[gpu] for gpu in gpus)
 
 
 def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     import torch
     import torch.distributed as dist
 
+    from molt.placement import check_placement, node_gpu_ids
     from molt.rollout import run_rollout_rank
     from molt.trainer import Trainer
     from molt.wire import Router
@@ -212,15 +281,23 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_trainers = cfg.layout.num_trainer_ranks
     is_trainer = rank < num_trainers
+    node_gpus = node_gpu_ids(os.environ, cfg.layout.gpus_per_node)  # before a rollout rank pins its own
     if not is_trainer:
         pin_engine_gpus(cfg, rank, os.environ)  # before anything in this process touches CUDA
-    device = resolve_device(cfg, local_rank) if is_trainer else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_type = trainer_device_type(cfg) if is_trainer else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():  # before NCCL fails to start, less clearly
+        raise ConfigError(NO_CUDA)
     torch.manual_seed(cfg.seed)
-    # The world group is used for rendezvous only; training collectives use the trainer group.
-    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
+    # The world group is used for rendezvous and the placement check only; training collectives use
+    # the trainer group.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=cfg.rollout.engine_start_timeout_seconds + 600))
-    trainer_group = dist.new_group(list(range(num_trainers)))
+    # Every rank's host, LOCAL_RANK and GPUs against the placement, before a trainer takes cuda:LOCAL_RANK.
+    check_placement(cfg, rank, os.environ, node_gpus=node_gpus, group=dist.group.WORLD,
+                    on_gpu=device_type == "cuda" if is_trainer else cfg.device != "cpu")
+    device = resolve_device(cfg, local_rank) if is_trainer else torch.device("cpu")
+    trainer_group = dist.new_group(list(range(num_trainers)),
+                                   timeout=datetime.timedelta(seconds=trainer_group_timeout(cfg).total_seconds))
     store = dist.distributed_c10d._get_default_store()
     host = job_host(os.environ)
     rollout_ranks = list(range(num_trainers, world_size))

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import ConfigError, LayoutConfig
-from molt.dry_run import place_ranks
+from molt.config import load_config
+from molt.dry_run import describe_placements
+from molt.placement import place_ranks
+from molt.train import trainer_group_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_RECIPE = ROOT / "configs" / "qwen3_30b_a3b_math_tool.py"
@@ -81,6 +83,7 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert "rank 8: node 1, local rank 0, GPU 0: rollout: vLLM engine (tensor parallel 1)" in out
     assert "rank 15: node 1, local rank 7, GPU 7: rollout" in out
     assert "launch: torchrun --nnodes 2 --nproc_per_node 8" in out
+    assert "trainer group timeout: 7,800 s (2.2 h)" in out
     assert "trainer mesh: DeviceMesh((dp=8)" in out and "fake process group of 16 ranks" in out
     assert "model: Qwen3MoeForCausalLM" in out and "(model.config_path)" in out
     expected = qwen3_moe_params(hf_config("qwen3-30b-a3b"))
@@ -110,8 +113,11 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     assert "rank 127: node 15, local rank 7, GPU 7: trainer (FSDP2 dp shard 127/128)" in out
     assert "rank 128: node 16, local rank 0, GPUs 0-7: rollout: vLLM engine (tensor parallel 8)" in out
     assert "rank 135: node 23, local rank 0, GPUs 0-7: rollout" in out
-    assert "8 on nodes 0-15, 1 on nodes 16-23" in out  # what cannot be launched yet is said
-    assert "pins its engine to the GPUs above with CUDA_VISIBLE_DEVICES" in out
+    assert ("launch: sbatch --nodes 24 launch/slurm_srun.sbatch ... (per-node task counts 8(x16),1(x8); "
+            "torchrun cannot start this layout)") in out
+    assert "trainer group timeout: 26,400 s (7.3 h)" in out
+    assert "every rank checks its host, LOCAL_RANK and GPUs against this placement" in out
+    assert "each rollout rank pins its engine to its GPUs with CUDA_VISIBLE_DEVICES" in out
     assert "trainer mesh: DeviceMesh((dp=128)" in out and "fake process group of 136 ranks" in out
     expected = deepseek_v3_params(hf_config("moe-1t"))
     assert printed_params(out) == expected
@@ -146,39 +152,37 @@ def test_broken_layout_fails_naming_the_field(tmp_path, overrides, expected):
         assert text in result.stderr
 
 
-def test_ranks_fill_nodes_in_order():
-    # One node shared by 4 trainers and two engines of 2 GPUs, then an engine per half node.
-    layout = LayoutConfig(num_trainer_ranks=4, num_rollout_ranks=4, engine_tensor_parallel_size=2, gpus_per_node=8)
-    placed = [(p.rank, p.is_trainer, p.node, p.local_rank, p.gpus) for p in place_ranks(layout)]
-    assert placed == [
-        (0, True, 0, 0, (0,)), (1, True, 0, 1, (1,)), (2, True, 0, 2, (2,)), (3, True, 0, 3, (3,)),
-        (4, False, 0, 4, (4, 5)), (5, False, 0, 5, (6, 7)),
-        (6, False, 1, 0, (0, 1)), (7, False, 1, 1, (2, 3)),
-    ]
-    with pytest.raises(ConfigError, match="layout.num_trainer_ranks=3 a multiple of"):
-        place_ranks(LayoutConfig(num_trainer_ranks=3, num_rollout_ranks=3, engine_tensor_parallel_size=2,
-                                 gpus_per_node=8))
+def placement_lines(recipe: Path, monkeypatch) -> list[str]:
+    monkeypatch.setenv("MOLT_CHECKPOINTS", "/absent")
+    cfg = load_config(str(recipe), [])
+    return list(describe_placements(cfg, place_ranks(cfg.layout)))
 
 
-def test_rollout_ranks_pin_their_engines_to_their_own_gpus():
-    from molt.config import MoltConfig
-    from molt.train import pin_engine_gpus
+def test_the_dry_run_names_the_launcher_and_the_timeout(monkeypatch):
+    lines = placement_lines(MOE_1T_RECIPE, monkeypatch)
+    assert "  node 16: 1 process(es), ranks 128, GPUs 0-7" in lines
+    assert ("launch: sbatch --nodes 24 launch/slurm_srun.sbatch ... (per-node task counts 8(x16),1(x8); "
+            "torchrun cannot start this layout)") in lines
+    timeout = next(line for line in lines if line.startswith("trainer group timeout:"))
+    assert timeout.startswith("trainer group timeout: 26,400 s (7.3 h) = engine start 420 s")
+    assert "refit 21,600 s (refit.max_attempts=2 x (attempt + group build: 3 x refit.timeout_seconds=3600))" in timeout
+    lines = placement_lines(QWEN3_RECIPE, monkeypatch)
+    assert ("launch: torchrun --nnodes 2 --nproc_per_node 8 -m molt.train --config ... (under Slurm: sbatch "
+            "--nodes 2 launch/slurm.sbatch ...)") in lines
 
-    cfg = MoltConfig(device="cuda")
-    cfg.layout.num_trainer_ranks, cfg.layout.num_rollout_ranks, cfg.layout.gpus_per_node = 8, 8, 8
-    pinned = {}
-    for rank in (8, 9, 15):
-        environ = {}
-        pin_engine_gpus(cfg, rank, environ)
-        pinned[rank] = environ["CUDA_VISIBLE_DEVICES"]
-    assert pinned == {8: "0", 9: "1", 15: "7"}  # node 1's GPUs, one engine each
-    environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7,0,1,2,3"}  # the launcher's numbering is kept
-    pin_engine_gpus(cfg, 9, environ)
-    assert environ["CUDA_VISIBLE_DEVICES"] == "5"
-    cfg.layout.num_rollout_ranks, cfg.layout.engine_tensor_parallel_size = 4, 2
-    environ = {}
-    pin_engine_gpus(cfg, 9, environ)
-    assert environ["CUDA_VISIBLE_DEVICES"] == "2,3"
-    cfg.device, environ = "cpu", {}
-    pin_engine_gpus(cfg, 9, environ)
-    assert environ == {}
+
+def test_the_trainer_group_outwaits_the_refits_and_the_rollouts(monkeypatch):
+    monkeypatch.setenv("MOLT_CHECKPOINTS", "/absent")
+    cfg = load_config(str(MOE_1T_RECIPE), [])
+    timeout = trainer_group_timeout(cfg)
+    refit, agent = cfg.refit, cfg.agent
+    # Every refit attempt, each with a refit-group build (rendezvous + joins), while ranks 1.. wait.
+    assert timeout.refit_seconds == refit.max_attempts * 3 * refit.timeout_seconds == 21600
+    assert timeout.engine_start_seconds == 120 + cfg.rollout.engine_start_timeout_seconds
+    assert timeout.batch_seconds == agent.rollout_timeout_seconds * 2 + 60 + cfg.payloads.fetch_timeout_seconds
+    assert timeout.total_seconds == 420 + 21600 + 3780 + 600
+    assert timeout.total_seconds > refit.max_attempts * refit.timeout_seconds + agent.rollout_timeout_seconds
+    assert timeout.total_seconds > 30 * 60  # torch's default, which the 1T refit alone outlasts
+    # The refit check's scoring on the engines counts only when it runs; more attempts, more time.
+    cfg.refit.check_every_steps, cfg.refit.max_attempts = 5, 3
+    assert trainer_group_timeout(cfg).refit_seconds == 3 * 3 * 3600 + 3600

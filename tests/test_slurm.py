@@ -1,5 +1,6 @@
 """Slurm: the srun variable mapping, the host-list expander, the sbatch scripts (run against stub
-`srun`/`scontrol`), and a real two-process job started the way srun starts it, without torchrun."""
+`srun`/`scontrol`, down to the host file that places the 1T recipe's uneven nodes), and a real
+two-process job started the way srun starts it, without torchrun."""
 
 import contextlib
 import json
@@ -14,10 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from molt.config import load_config
+from molt.placement import claim_gpus, find_placement_problems, format_tasks_per_node, place_ranks
 from molt.train import expand_hostlist, expand_tasks_per_node, job_host, map_slurm_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
+QWEN3 = str(ROOT / "configs" / "qwen3_30b_a3b_math_tool.py")
+MOE_1T = str(ROOT / "configs" / "moe_1t.py")
 SCRIPTS = [ROOT / "launch" / "slurm.sbatch", ROOT / "launch" / "slurm_srun.sbatch"]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -82,6 +87,18 @@ def test_uneven_nodes_and_the_steps_own_node_list():
     assert "MASTER_PORT" not in environ  # no job id to derive it from: torch's own default applies
 
 
+def test_srun_tasks_of_the_1t_layout_get_its_local_ranks():
+    # srun --distribution=arbitrary from the host file: 8 tasks on each of 16 nodes, then 1 on each of 8.
+    step = {"SLURM_NTASKS": "136", "SLURM_STEP_TASKS_PER_NODE": "8(x16),1(x8)", "SLURM_TASKS_PER_NODE": "8(x24)",
+            "SLURM_STEP_NODELIST": "gpu[001-024]", "SLURM_JOB_ID": "77"}
+    for procid, nodeid, localid, local_world_size in ((0, 0, 0, "8"), (127, 15, 7, "8"), (128, 16, 0, "1"),
+                                                       (135, 23, 0, "1")):
+        environ = {**step, "SLURM_PROCID": str(procid), "SLURM_NODEID": str(nodeid), "SLURM_LOCALID": str(localid)}
+        map_slurm_environment(environ)
+        assert (environ["RANK"], environ["LOCAL_RANK"], environ["LOCAL_WORLD_SIZE"], environ["MASTER_ADDR"]) == (
+            str(procid), str(localid), local_world_size, "gpu001")
+
+
 def test_torchruns_variables_are_never_overridden():
     # Under `srun torchrun`, each rank inherits the Slurm task's variables and torchrun's own.
     torchrun = {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
@@ -143,19 +160,25 @@ def test_sbatch_scripts_parse(script):
     assert os.access(script, os.X_OK)
 
 
-def _run_script(script: Path, args: list[str], slurm: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run an sbatch script as the batch step would, with stub `scontrol` and `srun` that record
-    what the script asked for."""
+def _run_script(script: Path, args: list[str], slurm: dict[str, str], tmp_path: Path,
+                hosts: str = "node01 node02") -> subprocess.CompletedProcess:
+    """Run an sbatch script as the batch step would, with stub `scontrol` (the allocation is `hosts`)
+    and `srun` that record what the script asked for: arguments, rendezvous, host file."""
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
-    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node01\\nnode02\\n"\n')
+    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "%s\\n" $STUB_HOSTS\n')
     (stubs / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STUB_DIR/srun.args"\n'
-                                'echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"\n')
+                                'echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"\n'
+                                'echo "${SLURM_NTASKS_PER_NODE:-unset}" > "$STUB_DIR/srun.ntasks_per_node"\n'
+                                'if [ -n "${SLURM_HOSTFILE:-}" ]; then\n'
+                                '  cp "$SLURM_HOSTFILE" "$STUB_DIR/srun.hosts"\n'
+                                'fi\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("SLURM_") and key not in TORCHRUN_VARIABLES + ("CONFIG",)}
     env.update(PATH=f"{stubs}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, STUB_DIR=str(tmp_path),
+               STUB_HOSTS=hosts, TMPDIR=str(tmp_path), MOLT_CHECKPOINTS=str(tmp_path / "absent"),
                SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]", **slurm)
     return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=120)
@@ -179,18 +202,89 @@ def test_the_torchrun_script_splits_the_recipes_ranks_over_the_nodes(tmp_path):
     assert not (tmp_path / "srun.args").exists()
 
 
+def test_the_torchrun_script_takes_the_placements_nodes_and_refuses_uneven_ones(tmp_path):
+    done = _run_script(SCRIPTS[0], [QWEN3], {"SLURM_NNODES": "2"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert {"--nnodes=2", "--nproc_per_node=8"} <= set((tmp_path / "srun.args").read_text().splitlines())
+    (tmp_path / "srun.args").unlink()
+    done = _run_script(SCRIPTS[0], [QWEN3], {"SLURM_NNODES": "3"}, tmp_path)
+    assert done.returncode == 2
+    assert "the layout needs 2 nodes of 8 processes but the job has 3; submit with --nodes=2" in done.stderr
+    done = _run_script(SCRIPTS[0], [MOE_1T], {"SLURM_NNODES": "24"}, tmp_path)
+    assert done.returncode == 2
+    assert "which torchrun cannot start; submit launch/slurm_srun.sbatch with --nodes=24" in done.stderr
+    assert not (tmp_path / "srun.args").exists()
+
+
 def test_the_srun_script_starts_one_task_per_rank(tmp_path):
-    done = _run_script(SCRIPTS[1], [DEMO, "--set", "train.num_steps=1"], {"SLURM_NTASKS": "2"}, tmp_path)
+    done = _run_script(SCRIPTS[1], [DEMO, "--set", "train.num_steps=1"], {"SLURM_NNODES": "1"}, tmp_path,
+                       hosts="node01")
     assert done.returncode == 0, done.stderr
     srun = (tmp_path / "srun.args").read_text().splitlines()
-    assert srun == ["--ntasks=2", "--kill-on-bad-exit=1", sys.executable, "-m", "molt.train", "--config", DEMO,
-                    "--set", "train.num_steps=1"]
+    assert srun == ["--ntasks=2", "--distribution=arbitrary", "--kill-on-bad-exit=1", sys.executable, "-m",
+                    "molt.train", "--config", DEMO, "--set", "train.num_steps=1"]
+    assert (tmp_path / "srun.hosts").read_text().split() == ["node01", "node01"]
     assert (tmp_path / "srun.master").read_text().strip() == "node01:24242"
+    assert not list(tmp_path.glob("molt-hosts-*"))  # the host file is removed when the script ends
     (tmp_path / "srun.args").unlink()
-    done = _run_script(SCRIPTS[1], [DEMO], {"SLURM_NTASKS": "16"}, tmp_path)
+    # A CPU recipe's ranks split over the allocation's nodes; a GPU layout needs its own node count.
+    done = _run_script(SCRIPTS[1], [DEMO], {"SLURM_NNODES": "2"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "srun.hosts").read_text().split() == ["node01", "node02"]
+    (tmp_path / "srun.args").unlink()
+    done = _run_script(SCRIPTS[1], [MOE_1T], {"SLURM_NNODES": "2"}, tmp_path)
     assert done.returncode == 2
-    assert "the recipe has 2 ranks" in done.stderr and "the job has 16 tasks" in done.stderr
+    assert "the layout needs 24 nodes" in done.stderr and "submit with --nodes=24" in done.stderr
+    done = _run_script(SCRIPTS[1], [DEMO, "--set", "layout.num_rollout_ranks=2"], {"SLURM_NNODES": "2"}, tmp_path)
+    assert done.returncode == 2 and "the recipe has 3 ranks" in done.stderr
     assert not (tmp_path / "srun.args").exists()
+
+
+def _arbitrary_distribution(hostfile: list[str], job_id: str) -> list[dict[str, str]]:
+    """The variables srun --distribution=arbitrary gives each task: task i on line i's host, nodes
+    numbered in the order the step's hosts first appear, tasks numbered per node in task order."""
+    hosts = list(dict.fromkeys(hostfile))
+    counts = [hostfile.count(host) for host in hosts]
+    tasks, seen = [], {host: 0 for host in hosts}
+    for procid, host in enumerate(hostfile):
+        tasks.append({"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(len(hostfile)),
+                      "SLURM_NODEID": str(hosts.index(host)), "SLURM_LOCALID": str(seen[host]),
+                      "SLURM_STEP_TASKS_PER_NODE": format_tasks_per_node(counts),
+                      "SLURM_STEP_NODELIST": ",".join(hosts), "SLURM_JOB_ID": job_id, "SLURMD_NODENAME": host})
+        seen[host] += 1
+    return tasks
+
+
+def test_the_srun_script_places_the_1t_layout_as_the_dry_run_does(tmp_path):
+    """The script's host file, srun's arbitrary distribution and molt.train's variable mapping give
+    every rank of the 1T recipe the host, LOCAL_RANK and GPUs of its placement."""
+    hosts = [f"gpu{index:03d}" for index in range(1, 25)]
+    done = _run_script(SCRIPTS[1], [MOE_1T], {"SLURM_NNODES": "24"}, tmp_path, hosts=" ".join(hosts))
+    assert done.returncode == 0, done.stderr
+    hostfile = (tmp_path / "srun.hosts").read_text().split()
+    assert hostfile == [host for host in hosts[:16] for _ in range(8)] + hosts[16:]
+    assert (tmp_path / "srun.args").read_text().splitlines()[:3] == [
+        "--ntasks=136", "--distribution=arbitrary", "--kill-on-bad-exit=1"]
+    assert (tmp_path / "srun.ntasks_per_node").read_text().strip() == "unset"
+    placements = place_ranks(load_config(MOE_1T, []).layout)
+    claims = _claims_of_srun_tasks(hostfile, placements)
+    assert find_placement_problems(placements, claims) == []
+    assert (claims[135].host, claims[135].local_rank, claims[135].gpus) == ("gpu024", 0, tuple("01234567"))
+    # The same ranks started 8 per node, as --ntasks-per-node=8 would, are refused.
+    claims = _claims_of_srun_tasks([host for host in hosts[:17] for _ in range(8)], placements)
+    assert "rank 129 expected local rank 0 on node 17 but the launcher gave LOCAL_RANK=1" in (
+        find_placement_problems(placements, claims))
+
+
+def _claims_of_srun_tasks(hostfile: list[str], placements: list) -> list:
+    """What each task started from `hostfile` reports at start-up, on nodes of 8 GPUs."""
+    claims = []
+    for task in _arbitrary_distribution(hostfile, "4242"):
+        map_slurm_environment(task)
+        claims.append(claim_gpus(placements[int(task["RANK"])], host=task["SLURMD_NODENAME"],
+                                 local_rank=int(task["LOCAL_RANK"]), local_world_size=int(task["LOCAL_WORLD_SIZE"]),
+                                 node_gpus=list("01234567"), on_gpu=True))
+    return claims
 
 
 def _free_job_id() -> str:
