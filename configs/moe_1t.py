@@ -10,8 +10,9 @@ holds 1.03T x 2 bytes / 8 = ~239 GiB per GPU: this needs 288 GB (268 GiB) GPUs (
 141 GB H200s --dry-run fails naming layout.gpu_memory_gigabytes. Trainer ranks keep float32 master
 weights, gradients and AdamW states (16 bytes/param) sharded 128 ways (~120 GiB) and gather one
 17B-parameter MoE block in bf16 at a time (with its float32 gradient on the way to the
-reduce-scatter, ~95 GiB); 64 ranks would need ~240 GiB for the state alone. What Molt cannot do yet
-for this layout (--dry-run prints it): start a different number of processes per node.
+reduce-scatter, ~95 GiB); 64 ranks would need ~240 GiB for the state alone. Nodes run different
+numbers of processes (8 trainers, or one engine process), which torchrun cannot start: launch it
+with launch/slurm_srun.sbatch (--dry-run prints the command and the per-node task counts).
 """
 
 import os
