@@ -1,4 +1,4 @@
-"""The FSDP2 actor: a Hugging Face causal LM sharded over the trainer group, its optimizer and loss."""
+"""The FSDP2 actor: a Hugging Face causal LM laid out on the trainer mesh, its optimizer and loss."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -23,21 +22,22 @@ from molt.logprobs import compute_chunked_logprobs
 from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
                              compute_ppo_clip_loss, token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
-from molt.parallelize import ShardingPlan, shard_model
+from molt.parallelize import ShardingPlan, TrainerMesh, shard_model
 
 logger = logging.getLogger("molt")
 
 
-def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan,
+def build_actor_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan,
                       logprob_chunk_tokens: int = 1024) -> nn.Module:
-    """A Hugging Face causal LM, sharded with FSDP2 over `mesh` (the trainer group only) and loaded
-    without ever holding the whole model on one rank.
+    """A Hugging Face causal LM laid out on `mesh` (the trainer ranks only) and loaded without ever
+    holding the whole model on one rank.
 
     The model is built on the meta device, its LM head becomes a `ScoringHead` (chunked log-probs),
-    `shard_model` applies the plan (activation checkpointing, mixed precision, offload, one FSDP unit
-    per decoder block and the root), and then each rank reads only its own slices of the safetensors
-    files (molt.hf_checkpoint). Parameter names stay the Hugging Face names (FSDP2 adds no wrapper
-    prefixes), which is what vLLM's weight loading expects at refit.
+    `shard_model` applies tensor parallelism (when the mesh has tp > 1) and the plan (activation
+    checkpointing, mixed precision, offload, one FSDP unit per decoder block and the root), and
+    then each rank reads only its own slices of the safetensors files (molt.hf_checkpoint).
+    Parameter names stay the Hugging Face names (neither adds wrapper prefixes), which is what
+    vLLM's weight loading expects at refit.
     """
     model = build_empty_model(model_path, dtype=plan.param_dtype)
     install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
@@ -48,16 +48,17 @@ def build_actor_model(model_path: str, *, mesh: DeviceMesh, device: torch.device
     return model
 
 
-def shard_and_load(model: nn.Module, backbone: nn.Module, model_path: str, *, mesh: DeviceMesh,
+def shard_and_load(model: nn.Module, backbone: nn.Module, model_path: str, *, mesh: TrainerMesh,
                    device: torch.device, plan: ShardingPlan, not_in_checkpoint: str = "") -> None:
     """The steps every trainer model shares, on a model built on the meta device: pick the
-    attention implementation, shard with the plan (one unit per block of `backbone.layers`, then
-    the root), and fill each rank's shards from `model_path`. Parameters the checkpoint lacks stop
-    the start, except those named with the prefix `not_in_checkpoint` (the critic's value head)."""
+    attention implementation, lay it out with `shard_model` (tensor parallelism over the backbone
+    and heads, then one FSDP unit per block of `backbone.layers` and the root), and fill each
+    rank's shards from `model_path`. Parameters the checkpoint lacks stop the start, except those
+    named with the prefix `not_in_checkpoint` (the critic's value head)."""
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
     choose_attention(backbone, device)
-    shard_model(model, backbone.layers, mesh=mesh, plan=plan)
+    shard_model(model, backbone, mesh=mesh, plan=plan)
     report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
     missing = [name for name in report.missing if not (not_in_checkpoint and name.startswith(not_in_checkpoint))]
     if missing:
@@ -89,6 +90,12 @@ class ScoringHead(nn.Module):
     position's log-prob of its target token (and the entropy) computed in chunks of
     `chunk_tokens` positions (molt.logprobs), inside the root unit's forward, where FSDP2 has the
     weight gathered.
+
+    Under tensor parallelism the weight is vocab-sharded over the tp ranks (like the embedding it
+    may be tied to) and gathered whole here, and the hidden states arrive whole (the final norm
+    gathers them, molt.parallelize): every tp rank computes the same log-probs, and the gather's
+    backward hands each rank its vocab rows of the (identical) weight gradient. Simpler than a
+    vocab-parallel loss, at the cost of one whole head weight per rank during the forward.
     """
 
     def __init__(self, weight: nn.Parameter, *, chunk_tokens: int) -> None:
@@ -98,11 +105,12 @@ class ScoringHead(nn.Module):
         self.request: tuple[torch.Tensor, float, bool] | None = None  # (targets, temperature, with_entropy)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.full_tensor() if isinstance(self.weight, DTensor) else self.weight
         if self.request is None:
-            return F.linear(hidden, self.weight)
+            return F.linear(hidden, weight)
         targets, temperature, with_entropy = self.request
         logprobs, entropy = compute_chunked_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1), temperature=temperature,
+            hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature=temperature,
             chunk_tokens=self.chunk_tokens, with_entropy=with_entropy)
         columns = [logprobs, entropy] if with_entropy else [logprobs]
         # A fresh tensor, not a view: FSDP2 hooks the root module's outputs for backward.
@@ -192,7 +200,9 @@ def set_gradient_sum_reduction(model: nn.Module) -> None:
     already its share of the token mean and the shares must be summed. FSDP2 averages by default
     (divides by the data-parallel size); a divide factor of 1 turns that into a sum, and forcing
     plain SUM collectives keeps it a sum on every backend (gloo has no PREMUL_SUM; NCCL can use
-    zero-copy SUM).
+    zero-copy SUM). Under HSDP both the reduce-scatter over dp_shard and the all-reduce over
+    dp_replicate sum. Tensor-parallel ranks hold parts of one data-parallel rank, not more data:
+    DTensor sums their partial gradients, and FSDP2 reduces over the dp dims only.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -203,10 +213,11 @@ def set_gradient_sum_reduction(model: nn.Module) -> None:
 def compute_window_denominator(
     micro_batches: list[MicroBatch], *, group: dist.ProcessGroup, device: torch.device
 ) -> float:
-    """The window's action-token count over all micro-batches and ranks (at least 1).
+    """The window's action-token count over all micro-batches and data-parallel ranks (at least 1).
 
-    One all-reduce over `group`, before the first micro-batch, so every loss term of the window
-    divides by the same number however the window is split (DESIGN section 8).
+    One all-reduce over `group` (the data-parallel group: tp ranks share their data), before the
+    first micro-batch, so every loss term of the window divides by the same number however the
+    window is split (DESIGN section 8).
     """
     local_tokens = sum(micro_batch.num_action_tokens for micro_batch in micro_batches)
     window_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=device)
@@ -230,9 +241,10 @@ def step_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_gr
     """Clip the global gradient norm and step, unless the loss or the norm is not finite; zero the
     gradients either way. Returns (pre-clip norm, whether the optimizer stepped).
 
-    Both inputs are the same on every rank (the loss all-reduced, the norm from the sharded partial
-    norms), so every rank takes the same decision without another collective: a NaN or inf on any
-    rank skips the update everywhere, and bad weights never exist. `max_grad_norm <= 0` disables
+    Both inputs are the same on every rank (the loss all-reduced over the data-parallel ranks and
+    computed alike by tp ranks, the norm from the partial norms over every dim of the one mesh all
+    parameters share), so every rank takes the same decision without another collective: a NaN or
+    inf on any rank skips the update everywhere, and bad weights never exist. `max_grad_norm <= 0` disables
     clipping (the norm is still measured).
     """
     parameters = [p for p in model.parameters() if p.grad is not None]
@@ -256,8 +268,11 @@ class TrainableModel:
     gradients are summed across the data-parallel ranks (the losses divide by the window's global
     token count). The LR schedule advances once per training step (`advance_schedule`).
 
-    Every method that runs the model is collective over `group`: all trainer ranks call it,
-    with the same number of micro-batches.
+    `group` is the data-parallel group (TrainerMesh.dp_group: the ranks that train on different
+    data), over which the window's token count and statistics are summed; under tensor parallelism
+    it is not every trainer rank. Every method that runs the model is collective over the whole
+    trainer mesh: all trainer ranks call it, the tp ranks of one data-parallel index with the same
+    micro-batches, every rank with the same number of them.
     """
 
     def __init__(self, model: nn.Module, *, group: dist.ProcessGroup, device: torch.device,

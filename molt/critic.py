@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModel
 
 from molt.actor import (TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch,
@@ -17,7 +16,7 @@ from molt.actor import (TrainableModel, build_actor_model, compute_window_denomi
 from molt.batch import MicroBatch
 from molt.hf_checkpoint import build_empty_model
 from molt.objectives import compute_value_loss
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 
 class ValueModel(nn.Module):
     """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.
@@ -56,7 +55,7 @@ class ValueModel(nn.Module):
         return shifted if position_ids is None else shifted.masked_fill(position_ids == 0, 0.0)
 
 
-def build_value_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
+def build_value_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
     """The backbone of a Hugging Face causal LM with a zero value head, sharded and loaded like
     `build_actor_model` (meta device, `shard_model`, each rank reading its own slices)."""
     model = ValueModel(build_empty_model(model_path, dtype=plan.param_dtype, auto_class=AutoModel))
@@ -172,7 +171,7 @@ class Critic(TrainableModel):
         return sums
 
 
-def build_reference_model(model_path: str, *, mesh: DeviceMesh, device: torch.device, plan: ShardingPlan,
+def build_reference_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan,
                           logprob_chunk_tokens: int = 1024) -> nn.Module:
     """The initial policy, frozen, for the KL to the reference: sharded like the actor, no grads,
     stored in the compute dtype (`ShardingPlan.frozen`)."""

@@ -63,7 +63,9 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterato
         where = (f"node {placement.node}, local rank {placement.local_rank}, "
                  f"GPU{'s' if len(placement.gpus) > 1 else ''} {span(list(placement.gpus))}: ") if on_gpu else ""
         if placement.is_trainer:
-            role = f"trainer (FSDP2 dp shard {placement.rank}/{layout.num_trainer_ranks})"
+            tp = layout.trainer_tensor_parallel_size
+            role = (f"trainer (data-parallel rank {placement.rank // tp}/{layout.num_trainer_ranks // tp}"
+                    + (f", tensor-parallel rank {placement.rank % tp}/{tp}" if tp > 1 else "") + ")")
             role += " + rollout controller + refit sender" if placement.rank == 0 else ""
         else:
             role = (f"rollout: vLLM engine (tensor parallel {layout.engine_tensor_parallel_size}) + "
@@ -101,12 +103,11 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     import torch
     import torch.distributed as dist
     import transformers
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
     # Registers the "fake" backend: collectives return at once, so one process can play rank 0 of any size.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from molt.parallelize import ShardingPlan, count_checkpointed_blocks, shard_causal_lm
+    from molt.parallelize import ShardingPlan, build_trainer_mesh, count_checkpointed_blocks, shard_causal_lm
 
     transformers.logging.set_verbosity_error()
     try:
@@ -129,14 +130,20 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         raise RuntimeError("--dry-run builds its own fake process group; run it outside a distributed job")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
     try:
-        # As in molt.train.run: the world group, the trainer ranks' group, a dp mesh over it ("cpu"
+        # As in molt.train.run: the world group, the trainer ranks' group, the trainer mesh ("cpu"
         # here: the fake group has no devices; meta parameters stay on meta).
-        group = dist.new_group(list(range(cfg.layout.num_trainer_ranks)))
-        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+        layout = cfg.layout
+        dist.new_group(list(range(layout.num_trainer_ranks)))
+        mesh = build_trainer_mesh(num_trainer_ranks=layout.num_trainer_ranks, device_type="cpu",
+                                  data_parallel_replicate=layout.trainer_data_parallel_replicate,
+                                  tensor_parallel_size=layout.trainer_tensor_parallel_size)
         plan = ShardingPlan.from_config(cfg)
-        shard_causal_lm(model, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
+        try:
+            shard_causal_lm(model, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
+        except ValueError as error:  # a layout the model cannot take (its message names the field)
+            raise ConfigError(str(error)) from error
         shards = [p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()]
-        mesh_text = repr(mesh)
+        mesh_text = repr(mesh.mesh)
     finally:
         dist.destroy_process_group()
     return ModelFootprint(
@@ -191,6 +198,9 @@ def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
         yield f"  critic           {_size(4 * critic)}   4 x (params - LM head) / {trainers} x {p} B (its own AdamW; {where})"
         state += 4 * critic
     unit_name, unit_params = model.largest_unit
+    tensor_parallel = cfg.layout.trainer_tensor_parallel_size
+    if tensor_parallel > 1:  # a rank gathers its tensor-parallel slice of the unit (norms, replicated, are small)
+        unit_name, unit_params = f"{unit_name} / tensor parallel {tensor_parallel}", -(-unit_params // tensor_parallel)
     unit = unit_params * (c + 4)
     yield (f"  gathered unit    {_size(unit)}   largest FSDP unit, {unit_name}: {unit_params:,} params x ({c} B "
            f"gathered + 4 B float32 gradient for the reduce-scatter)")
@@ -268,6 +278,29 @@ def describe_files(cfg: MoltConfig) -> Iterator[str]:
         yield f"  {name}={path!r}: {'present' if needed.is_file() else 'not on this machine'}"
 
 
+def describe_context_parallel(cfg: MoltConfig) -> Iterator[str]:
+    """Context parallelism is validated, not run: the training loop does not shard sequences yet."""
+    cp = cfg.layout.trainer_context_parallel_size
+    if cp == 1:
+        return
+    tokens = cfg.train.max_tokens_per_micro_batch
+    problems = []
+    if tokens % (2 * cp):
+        problems.append(f"train.max_tokens_per_micro_batch={tokens} must be a multiple of 2 x "
+                        f"layout.trainer_context_parallel_size={cp} (load-balanced causal sharding)")
+    if cfg.train.packing:
+        problems.append("train.packing=True: context-parallel attention takes plain causal rows, not packed ones; "
+                        "set train.packing=False")
+    if cfg.algorithm.importance_level in ("seq", "geo"):
+        problems.append(f"algorithm.importance_level={cfg.algorithm.importance_level!r} sums over whole sequences, "
+                        f"which context parallelism splits across ranks; use token")
+    if problems:
+        raise ConfigError("context parallelism:\n  " + "\n  ".join(problems))
+    yield (f"context parallel {cp}: each sequence split over {cp} ranks (sdpa ring attention, "
+           f"{tokens // cp} tokens of a micro-batch per rank); valid, but molt.train does not run it yet and "
+           f"refuses layout.trainer_context_parallel_size > 1 at start-up")
+
+
 def dry_run_report(cfg: MoltConfig) -> Iterator[str]:
     """The dry run's lines, in order; raises ConfigError (naming the field) at the first problem."""
     validate_config(cfg, require_files=False)
@@ -275,9 +308,13 @@ def dry_run_report(cfg: MoltConfig) -> Iterator[str]:
     source, field = resolve_architecture(cfg)
     model = measure_model(cfg, source, field)
     device = {"cpu": "cpu", "cuda": "cuda"}.get(cfg.device, "cuda where visible, else cpu")
-    yield (f"trainer mesh: {model.mesh} over ranks 0-{cfg.layout.num_trainer_ranks - 1} (a fake process group of "
-           f"{cfg.world_size} ranks; device type {device} at run time); FSDP2 units: {model.num_blocks} decoder "
-           f"blocks + the root")
+    layout = cfg.layout
+    yield (f"trainer mesh: {model.mesh} over ranks 0-{layout.num_trainer_ranks - 1} (a fake process group of "
+           f"{cfg.world_size} ranks; device type {device} at run time): dp_replicate "
+           f"{layout.trainer_data_parallel_replicate} x dp_shard {layout.num_trainer_ranks // (layout.trainer_data_parallel_replicate * layout.trainer_tensor_parallel_size)} "
+           f"x tp {layout.trainer_tensor_parallel_size}, {layout.num_trainer_ranks // layout.trainer_tensor_parallel_size} "
+           f"data-parallel rank(s); FSDP2 units: {model.num_blocks} decoder blocks + the root")
+    yield from describe_context_parallel(cfg)
     shown = os.path.relpath(source) if Path(source).resolve().is_relative_to(Path.cwd()) else source
     yield f"model: {model.architecture} from {shown} ({field}), built on the meta device"
     dense = model.num_params - model.num_routed_expert_params

@@ -2,7 +2,7 @@
 with FSDP2, then let each rank read only its own slices of the safetensors files.
 
     model = build_empty_model(path, dtype=torch.bfloat16)   # parameters on meta, buffers real
-    shard_causal_lm(model, mesh=mesh)                       # FSDP2 on the meta model
+    shard_causal_lm(model, mesh=mesh)                       # TP and FSDP2 on the meta model
     report = load_sharded_weights(model, path, device=device)
 
 So host memory per node stays about one model's size (each rank holds 1/N of it) instead of
@@ -23,8 +23,10 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 # Private, but it is the one function that says which slice of a global tensor a DTensor holds
-# (torch.distributed.checkpoint uses it for the same purpose).
+# (torch.distributed.checkpoint uses it for the same purpose); _StridedShard is how DTensor writes
+# FSDP2's shard of a tensor-parallel part.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 logger = logging.getLogger("molt")
@@ -91,12 +93,14 @@ def build_empty_model(
 def load_sharded_weights(model: nn.Module, model_path: str, *, device: torch.device) -> LoadReport:
     """Allocate each parameter's local shard on `device` and fill it from the checkpoint.
 
-    Expects every parameter on the meta device (from `build_empty_model`, after `fully_shard`).
-    A DTensor parameter reads only its local slice (FSDP2's Shard(0) chunk, possibly empty); a
-    plain parameter is read whole. Names match checkpoint keys exactly (a tied parameter loads
-    from whichever of its names the checkpoint holds), except fused MoE expert tensors, which are
-    assembled from the per-expert keys (see `plan_expert_reads`). Missing parameters are left
-    uninitialised for the caller to fill (the critic zero-inits its value head). Not a collective.
+    Expects every parameter on the meta device (from `build_empty_model`, after `shard_model`).
+    A DTensor parameter reads only its local slice (`local_index`: FSDP2's Shard(0) chunk, possibly
+    empty, of a tensor-parallel rank's Shard(0) or Shard(1) part, or of the whole tensor when
+    replicated over tp); a plain parameter is read whole. Names match checkpoint keys exactly (a
+    tied parameter loads from whichever of its names the checkpoint holds), except fused MoE expert
+    tensors, which are assembled from the per-expert keys (see `plan_expert_reads`). Missing
+    parameters are left uninitialised for the caller to fill (the critic zero-inits its value
+    head). Not a collective.
     """
     key_files = find_checkpoint_files(model_path)
     reads, missing = plan_reads(model, key_files)
@@ -281,9 +285,14 @@ def _check_shape(key: str, checkpoint_shape: list[int], expected: tuple[int, ...
 
 
 def local_index(param: DTensor) -> tuple[slice, ...]:
-    """The slice of the global tensor that `param`'s local shard holds, one slice per dim."""
+    """The slice of the global tensor that `param`'s local shard holds, one slice per dim.
+
+    Any mix of Shard (FSDP2's dim 0, tensor parallelism's dim 0 or 1) and Replicate over the mesh
+    dims. FSDP2 over a tensor-parallel parameter shards the tp rank's part again, which DTensor
+    writes as a _StridedShard on the dp dim: each rank still holds one box of the global tensor
+    (torch.distributed.checkpoint records it as one offset and size the same way)."""
     for placement in param.placements:
-        if not isinstance(placement, (Shard, Replicate)):
+        if not isinstance(placement, (Shard, _StridedShard, Replicate)):
             raise ValueError(
                 f"cannot load a parameter placed as {param.placements}: only Shard and Replicate "
                 f"placements map onto a slice of the checkpoint tensor")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, PolicyLoss, WindowResult, summarize_windows
 from molt.batch import MicroBatch, compute_group_advantages
@@ -25,7 +24,7 @@ from molt.objectives import (AdaptiveKLController, compute_gae_advantages, compu
                              compute_reinforce_pp_advantages, whiten)
 from molt.objectives.advantages import Moments, masked_moments
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 
 
 @dataclass(kw_only=True)
@@ -43,12 +42,13 @@ class BatchInfo:
 
 
 class Learner:
-    def __init__(self, cfg: MoltConfig, actor: Actor, *, mesh: DeviceMesh, group: dist.ProcessGroup,
-                 device: torch.device):
+    def __init__(self, cfg: MoltConfig, actor: Actor, *, mesh: TrainerMesh, device: torch.device):
+        """Data sums (token counts, KL, metrics) run over `mesh.dp_group`: the ranks of one
+        tensor-parallel group hold the same data and count once."""
         algo, train = cfg.algorithm, cfg.train
         self.algo = algo
         self.actor = actor
-        self.group = group
+        self.group = mesh.dp_group
         self.device = device
         self.temperature = cfg.rollout.temperature
         self.ppo_epochs = train.ppo_epochs
@@ -63,7 +63,7 @@ class Learner:
         self.critic = None
         if algo.advantage_estimator == "gae":
             self.critic = Critic(build_value_model(cfg.model.path, mesh=mesh, device=device, plan=plan),
-                                 group=group, device=device, max_grad_norm=train.max_grad_norm,
+                                 group=mesh.dp_group, device=device, max_grad_norm=train.max_grad_norm,
                                  optimizer=optimizer_settings(cfg, lr=algo.critic_learning_rate))
 
     def policy_loss(self) -> PolicyLoss:

@@ -1,6 +1,8 @@
-"""How a model is laid out on the trainer ranks: precision, activation checkpointing, CPU offload and
-FSDP2 sharding, applied in torchtitan's order (each decoder block is checkpointed, then sharded as
-its own FSDP unit; the root unit holds the embeddings, final norm and head).
+"""How a model is laid out on the trainer ranks: the trainer mesh (dp_replicate x dp_shard x tp),
+tensor parallelism, precision, activation checkpointing, CPU offload and FSDP2 sharding, applied in
+torchtitan's order: tensor parallelism first, then each decoder block is checkpointed and sharded
+as its own FSDP unit over the data-parallel ranks; the root unit holds the embeddings, final norm
+and heads.
 
 The actor, the critic, the frozen reference and `--dry-run` all go through `shard_model`, so what the
 dry run measures is what the trainer builds.
@@ -8,15 +10,100 @@ dry run measures is what the trainer builds.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from molt.config import MoltConfig, parse_activation_checkpointing
+
+TRAINER_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerMesh:
+    """The trainer ranks as a device mesh, and the pieces of it each consumer needs.
+
+    Trainer rank r has tensor-parallel coordinate r % tp_size and data-parallel index r // tp_size
+    (dp_replicate major): the tp ranks of one data-parallel index train on the same micro-batches.
+    """
+
+    mesh: DeviceMesh  # ("dp_replicate", "dp_shard", "tp"), without dp_replicate or tp when of size 1
+    fsdp_mesh: DeviceMesh  # FSDP2's: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP
+    tp_mesh: DeviceMesh | None  # the tensor-parallel ranks of this rank; None when tp_size == 1
+    dp_group: dist.ProcessGroup  # ranks that train on different data (same tp coordinate): data sums
+    dp_rank: int  # this rank's data-parallel index, 0 .. dp_size - 1
+    dp_size: int  # dp_replicate x dp_shard
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup, device_type: str) -> TrainerMesh:
+        """Plain FSDP2 over an existing group (tp 1, no replicas): tests and tools. Only the group's
+        members call it, and it creates no process group."""
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+        return cls(mesh=mesh, fsdp_mesh=mesh, tp_mesh=None, dp_group=group, dp_rank=dist.get_rank(group),
+                   dp_size=dist.get_world_size(group), tp_rank=0, tp_size=1)
+
+
+def build_trainer_mesh(*, num_trainer_ranks: int, device_type: str, data_parallel_replicate: int = 1,
+                       tensor_parallel_size: int = 1, timeout_seconds: float | None = None) -> TrainerMesh | None:
+    """The ("dp_replicate", "dp_shard", "tp") mesh over world ranks 0 .. num_trainer_ranks - 1
+    (layout.trainer_data_parallel_replicate, layout.trainer_tensor_parallel_size); dp_shard takes
+    the ranks left over.
+
+    Collective over the WORLD: creating the mesh's process groups calls `dist.new_group`, which
+    every world rank must call in the same order, so rollout ranks call this too (right after the
+    trainer group is made) and get None back. A trainer rank on CUDA sets its device first
+    (`torch.cuda.set_device`), or DeviceMesh picks LOCAL_RANK's.
+
+    `timeout_seconds`: the collective timeout of every group the mesh makes (FSDP2's gathers and
+    reductions run on them while rank 0 may wait on engines: molt.train.trainer_group_timeout);
+    None keeps torch's default.
+    """
+    replicate, tp = data_parallel_replicate, tensor_parallel_size
+    if replicate < 1 or tp < 1 or num_trainer_ranks % (replicate * tp):
+        raise ValueError(f"{num_trainer_ranks} trainer ranks do not split into trainer_data_parallel_replicate="
+                         f"{replicate} x trainer_tensor_parallel_size={tp} x a whole number of shards")
+    shard = num_trainer_ranks // (replicate * tp)
+    ranks = torch.arange(num_trainer_ranks).view(replicate, shard, tp)
+    # Dims of size 1 other than dp_shard are left out: each costs a process group per trainer rank.
+    sizes = dict(zip(TRAINER_MESH_DIMS, ranks.shape))
+    names = tuple(name for name, size in sizes.items() if size > 1 or name == "dp_shard")
+    rank = dist.get_rank()
+    # A rollout rank builds the same groups as a "cpu" mesh: a CUDA mesh would select a CUDA device
+    # in that process (LOCAL_RANK's, perhaps not among its engine's visible GPUs).
+    timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+    options = None
+    if timeout is not None:
+        options = C10dBackend.Options("nccl" if device_type == "cuda" else "gloo")
+        options._timeout = timeout
+    mesh = DeviceMesh(device_type if rank < num_trainer_ranks else "cpu", ranks.view(*(sizes[name] for name in names)),
+                      mesh_dim_names=names, backend_override=((None, options),) * len(names))
+    # Ranks with one tp coordinate train on different data. With one replica that is the dp_shard
+    # dimension's own group; with several, a new group per tp coordinate (every world rank calls).
+    dp_groups = ([] if replicate == 1 else
+                 [dist.new_group(ranks[..., c].flatten().tolist(), timeout=timeout) for c in range(tp)])
+    if rank >= num_trainer_ranks:
+        return None
+    fsdp_mesh = mesh["dp_shard"] if replicate == 1 else mesh["dp_replicate", "dp_shard"]
+    return TrainerMesh(mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=mesh["tp"] if tp > 1 else None,
+                       dp_group=fsdp_mesh.get_group() if replicate == 1 else dp_groups[rank % tp],
+                       dp_rank=rank // tp, dp_size=replicate * shard, tp_rank=rank % tp, tp_size=tp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,22 +145,133 @@ class ShardingPlan:
         return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
 
 
-def shard_model(model: nn.Module, blocks: nn.ModuleList, *, mesh: DeviceMesh, plan: ShardingPlan) -> None:
-    """Apply activation checkpointing and FSDP2 in place: one unit per block of `blocks` (the decoder
-    layers), then the root unit. Parameter names are unchanged (composable checkpointing and FSDP2
-    add no wrapper prefixes), which is what refit and checkpoints rely on."""
-    options = dict(mesh=mesh, mp_policy=plan.mixed_precision(), offload_policy=plan.offload())
-    for index, block in enumerate(blocks):
+def shard_model(model: nn.Module, backbone: nn.Module, *, mesh: TrainerMesh, plan: ShardingPlan) -> None:
+    """Lay `model` out in place: tensor parallelism over `mesh.tp_mesh` (when tp > 1, see
+    `apply_tensor_parallel`), then activation checkpointing and one FSDP2 unit per decoder block
+    of `backbone.layers`, then the root unit, over `mesh.fsdp_mesh` (HSDP when it is 2-D).
+    Parameter names are unchanged (tensor parallelism, composable checkpointing and FSDP2 add no
+    wrapper prefixes), which is what refit and checkpoints rely on."""
+    if mesh.tp_size > 1:
+        apply_tensor_parallel(model, backbone, mesh.tp_mesh)
+    options = dict(mesh=mesh.fsdp_mesh, mp_policy=plan.mixed_precision(), offload_policy=plan.offload())
+    for index, block in enumerate(backbone.layers):
         if plan.checkpoint_every and index % plan.checkpoint_every == 0:
             checkpoint(block)  # non-reentrant: only the block's input is kept for backward
         fully_shard(block, **options)
     fully_shard(model, **options)
 
 
-def shard_causal_lm(model: nn.Module, *, mesh: DeviceMesh, plan: ShardingPlan | None = None) -> None:
-    """`shard_model` over a Hugging Face causal LM's decoder layers (`model.model.layers`)."""
-    shard_model(model, model.model.layers, mesh=mesh, plan=plan or ShardingPlan())
+def shard_causal_lm(model: nn.Module, *, mesh: TrainerMesh, plan: ShardingPlan | None = None) -> None:
+    """`shard_model` over a Hugging Face causal LM (its backbone is `model.model`)."""
+    shard_model(model, model.model, mesh=mesh, plan=plan or ShardingPlan())
 
 
 def count_checkpointed_blocks(num_blocks: int, checkpoint_every: int) -> int:
     return len(range(0, num_blocks, checkpoint_every)) if checkpoint_every else 0
+
+
+def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """Megatron-style tensor parallelism of a Llama / Qwen2 / Qwen3 decoder block with sequence
+    parallelism on its norms (torchtitan's Llama plan): the residual stream enters and leaves the
+    block sharded on the sequence (a DTensor, so its `.shape` stays global); attention and the MLP
+    gather it, run column-wise q/k/v/gate/up and row-wise o/down projections on the local heads
+    and columns, and reduce-scatter back onto the sequence."""
+    plan = {
+        "input_layernorm": SequenceParallel(),
+        # Hugging Face's decoder layers pass the attention's input by keyword, the MLP's by position.
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=True),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    if hasattr(block.self_attn, "q_norm"):
+        # Qwen3 normalises each head ([batch, seq, local heads, head_dim]): sharded on the heads,
+        # so the norm weight's gradient is summed over the tensor-parallel ranks.
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, backbone: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism over `tp_mesh`, on the meta model, before FSDP2.
+
+    The embedding is vocab-sharded (row-wise) and hands the residual stream over sharded on the
+    sequence; each block follows `block_plan`; the final norm runs sequence-parallel and gathers
+    its output, so every head computes on the whole, replicated hidden states. The LM head's
+    weight is vocab-sharded like the embedding (tied models keep one parameter) and gathered whole
+    at use (molt.actor.ScoringHead): not a vocab-parallel loss, so each tensor-parallel rank
+    computes the same log-probs, at the memory of one whole head weight. Any other parameter
+    outside the backbone (the critic's value head) is replicated (`replicate_module`). So every
+    parameter is a DTensor on the tp mesh, and after FSDP2 on one (dp..., tp) mesh, which the
+    global gradient norm needs.
+    """
+    check_tensor_parallel_support(backbone, tp_mesh.size())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is backbone.embed_tokens.weight
+    parallelize_module(backbone, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+    })
+    # Then gather the final norm's output: its hooks run after SequenceParallel's.
+    parallelize_module(backbone.norm, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                   desired_output_layouts=Replicate()))
+    for block in backbone.layers:
+        parallelize_module(block, tp_mesh, block_plan(block))
+    if isinstance(head, nn.Linear):  # a plain head returns whole logits
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    elif head is not None and not tied:  # molt.actor.ScoringHead gathers its weight itself
+        # src_data_rank=None: each rank keeps its own rows of its (meta) copy, no communication.
+        head.weight = nn.Parameter(distribute_tensor(head.weight, tp_mesh, [Shard(0)], src_data_rank=None))
+    if tied:
+        head.weight = backbone.embed_tokens.weight
+    backbone_modules = set(backbone.modules())
+    for name, module in model.named_modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            if module in backbone_modules:
+                raise ValueError(f"layout.trainer_tensor_parallel_size={tp_mesh.size()}: {name} "
+                                 f"({type(module).__name__}) of {type(backbone).__name__} has no tensor-parallel "
+                                 f"plan; Molt's plan covers Llama, Qwen2 and Qwen3 decoder blocks. Use 1.")
+            replicate_module(module, tp_mesh)
+
+
+def replicate_module(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """For a module whose input and output are the same plain tensor on every tensor-parallel rank
+    (the critic's value head): its parameters become Replicate DTensors, so they join the mesh of
+    every other parameter, and it computes on whole tensors. Gradients come out the same on every
+    rank, as a replicated parameter's must."""
+
+    def replicate_parameters(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(submodule.named_parameters(recurse=False)):
+            submodule.register_parameter(param_name, nn.Parameter(
+                DTensor.from_local(param, mesh, [Replicate()], run_check=False), requires_grad=param.requires_grad))
+
+    distribute_module(
+        module, tp_mesh, replicate_parameters,
+        input_fn=lambda _, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                                               for x in inputs),
+        output_fn=lambda _, output, mesh: output.to_local())
+
+
+def check_tensor_parallel_support(backbone: nn.Module, tp_size: int) -> None:
+    """Refuse, naming the field, a model the tensor-parallel plan cannot split evenly or at all."""
+    config = backbone.config
+    field = f"layout.trainer_tensor_parallel_size={tp_size}"
+    if any(getattr(config, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts")):
+        raise ValueError(f"{field}: {type(backbone).__name__} is a mixture-of-experts model, and Molt does not "
+                         f"tensor-parallelise experts; use trainer_tensor_parallel_size=1 (FSDP2 shards experts)")
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": getattr(config, "intermediate_size", 0)}
+    uneven = {name: size for name, size in sizes.items() if size % tp_size}
+    if uneven:
+        raise ValueError(f"{field} does not divide the model's {uneven}; choose a size that divides "
+                         f"the attention and KV heads and the MLP width")

@@ -5,13 +5,12 @@ import torch
 import torch.distributed as dist
 import transformers
 from distributed import run_ranks
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs, summarize_windows
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.experience import Experience
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 
 PAD = 0
 CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
@@ -82,7 +81,7 @@ def build_rank_micro_batches(experiences, advantages, group, budget) -> list:
 
 
 def make_actor(model_path, group, dtype, *, max_grad_norm=1.0, plan=None, **optimizer) -> Actor:
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = TrainerMesh.from_group(group, "cpu")
     model = build_actor_model(model_path, mesh=mesh, device=CPU, plan=plan or ShardingPlan(param_dtype=dtype))
     return Actor(model, group=group, device=CPU, temperature=TEMPERATURE, max_grad_norm=max_grad_norm,
                  optimizer=OptimizerSettings(**optimizer))

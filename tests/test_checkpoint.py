@@ -11,11 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.checkpoint import complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from molt.refit import find_free_port
 
@@ -24,7 +23,7 @@ CPU = torch.device("cpu")
 
 def _actor(model_path: str) -> Actor:
     group = dist.group.WORLD
-    model = build_actor_model(model_path, mesh=DeviceMesh.from_group(group, "cpu"), device=CPU, plan=ShardingPlan())
+    model = build_actor_model(model_path, mesh=TrainerMesh.from_group(group, "cpu"), device=CPU, plan=ShardingPlan())
     return Actor(model, group=group, device=CPU, optimizer=OptimizerSettings(lr=1e-3))
 
 

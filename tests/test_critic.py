@@ -5,13 +5,12 @@ import torch
 import torch.distributed as dist
 import transformers
 from distributed import run_ranks
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from molt.actor import build_actor_model, compute_token_logprobs
 from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.critic import (
     Critic,
     ValueModel,
@@ -116,7 +115,7 @@ def build_rank_micro_batches(experiences, group, budget) -> list:
 
 
 def make_critic(model_path, group, dtype, head_seed: int | None = None, *, max_grad_norm=1.0, **optimizer) -> Critic:
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = TrainerMesh.from_group(group, "cpu")
     model = build_value_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=dtype))
     if head_seed is not None:
         set_value_head(model, *head_parameters(head_seed))
@@ -261,7 +260,7 @@ def test_critic_training_reduces_value_loss(model_path):
 
 def reference_rank(rank, world_size, model_path, experiences):
     group = dist.group.WORLD
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = TrainerMesh.from_group(group, "cpu")
     actor = build_actor_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
     reference = build_reference_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
     probe = build_micro_batches(

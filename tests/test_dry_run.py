@@ -78,13 +78,13 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "layout: 16 ranks = 8 trainer + 8 rollout; 16 GPUs on 2 node(s) of 8" in out
-    assert "rank 0: node 0, local rank 0, GPU 0: trainer (FSDP2 dp shard 0/8) + rollout controller" in out
-    assert "rank 7: node 0, local rank 7, GPU 7: trainer (FSDP2 dp shard 7/8)" in out
+    assert "rank 0: node 0, local rank 0, GPU 0: trainer (data-parallel rank 0/8) + rollout controller" in out
+    assert "rank 7: node 0, local rank 7, GPU 7: trainer (data-parallel rank 7/8)" in out
     assert "rank 8: node 1, local rank 0, GPU 0: rollout: vLLM engine (tensor parallel 1)" in out
     assert "rank 15: node 1, local rank 7, GPU 7: rollout" in out
     assert "launch: torchrun --nnodes 2 --nproc_per_node 8" in out
     assert "trainer group timeout: 7,800 s (2.2 h)" in out
-    assert "trainer mesh: DeviceMesh((dp=8)" in out and "fake process group of 16 ranks" in out
+    assert "trainer mesh: DeviceMesh((dp_shard=8)" in out and "fake process group of 16 ranks" in out
     assert "model: Qwen3MoeForCausalLM" in out and "(model.config_path)" in out
     expected = qwen3_moe_params(hf_config("qwen3-30b-a3b"))
     assert printed_params(out) == expected
@@ -110,7 +110,7 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "layout: 136 ranks = 128 trainer + 8 rollout; 192 GPUs on 24 node(s) of 8" in out
-    assert "rank 127: node 15, local rank 7, GPU 7: trainer (FSDP2 dp shard 127/128)" in out
+    assert "rank 127: node 15, local rank 7, GPU 7: trainer (data-parallel rank 127/128)" in out
     assert "rank 128: node 16, local rank 0, GPUs 0-7: rollout: vLLM engine (tensor parallel 8)" in out
     assert "rank 135: node 23, local rank 0, GPUs 0-7: rollout" in out
     assert ("launch: sbatch --nodes 24 launch/slurm_srun.sbatch ... (per-node task counts 8(x16),1(x8); "
@@ -118,7 +118,7 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     assert "trainer group timeout: 26,400 s (7.3 h)" in out
     assert "every rank checks its host, LOCAL_RANK and GPUs against this placement" in out
     assert "each rollout rank pins its engine to its GPUs with CUDA_VISIBLE_DEVICES" in out
-    assert "trainer mesh: DeviceMesh((dp=128)" in out and "fake process group of 136 ranks" in out
+    assert "trainer mesh: DeviceMesh((dp_shard=128)" in out and "fake process group of 136 ranks" in out
     expected = deepseek_v3_params(hf_config("moe-1t"))
     assert printed_params(out) == expected
     assert 1.0e12 < expected < 1.05e12

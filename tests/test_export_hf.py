@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 from conftest import EngineThread
 from distributed import run_ranks
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model, compute_token_logprobs
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.checkpoint import save_checkpoint
 
 PROBE = list(range(3, 45))
@@ -22,7 +21,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "export_hf.py"
 
 def _train_and_save(rank, world_size, model_dir, root):
     group = dist.group.WORLD
-    model = build_actor_model(model_dir, mesh=DeviceMesh.from_group(group, "cpu"), device=torch.device("cpu"),
+    model = build_actor_model(model_dir, mesh=TrainerMesh.from_group(group, "cpu"), device=torch.device("cpu"),
                               plan=ShardingPlan())
     actor = Actor(model, group=group, device=torch.device("cpu"), optimizer=OptimizerSettings(lr=1e-3))
     generator = torch.Generator().manual_seed(rank + 1)

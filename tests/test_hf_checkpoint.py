@@ -15,14 +15,13 @@ from distributed import run_ranks
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from molt.critic import ValueModel
 from molt.hf_checkpoint import (LoadReport, build_empty_model, load_sharded_weights, local_index,
                                 parameters_on_meta)
-from molt.parallelize import shard_causal_lm
+from molt.parallelize import TrainerMesh, build_trainer_mesh, shard_causal_lm
 
 CPU = torch.device("cpu")
 TINY_VOCAB = 67  # odd, so the embedding's rows split unevenly (34/33) over two ranks
@@ -52,9 +51,8 @@ def token_rows(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
-def dp_mesh(world_size: int) -> DeviceMesh:
-    group = dist.new_group(list(range(world_size)))
-    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+def dp_mesh(world_size: int) -> TrainerMesh:
+    return TrainerMesh.from_group(dist.new_group(list(range(world_size))), "cpu")
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -63,9 +61,11 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def causal_lm_rank(rank, world_size, model_path):
+def causal_lm_rank(rank, world_size, model_path, tensor_parallel_size=1):
     model = build_empty_model(model_path, dtype=torch.float32)
-    shard_causal_lm(model, mesh=dp_mesh(world_size))
+    mesh = dp_mesh(world_size) if tensor_parallel_size == 1 else build_trainer_mesh(
+        num_trainer_ranks=world_size, device_type="cpu", tensor_parallel_size=tensor_parallel_size)
+    shard_causal_lm(model, mesh=mesh)
     report = load_sharded_weights(model, model_path, device=CPU)
     input_ids, attention_mask = token_rows(model.config.vocab_size)
     with torch.no_grad():
@@ -103,6 +103,27 @@ def test_sharded_load_matches_from_pretrained(tmp_path, tied, max_shard_size, fi
         torch.testing.assert_close(result["logits"], expected_logits, rtol=0, atol=1e-5)
     # Between them the ranks read every tensor of the checkpoint exactly once.
     assert sum(result["report"].bytes_read for result in results) == checkpoint_bytes(path)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_tensor_parallel_load_matches_from_pretrained(tmp_path, tied):
+    """Tensor parallelism over 2 ranks: column-wise weights split on dim 0, row-wise on dim 1, the
+    odd vocabulary unevenly; each rank reads its slices and both read the replicated norms."""
+    path = save_qwen3(tmp_path, tied=tied, max_shard_size="40KB", num_key_value_heads=2)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    input_ids, attention_mask = token_rows(TINY_VOCAB)
+    with torch.no_grad():
+        expected_logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    results = run_ranks(causal_lm_rank, 2, str(path), 2)
+
+    for result in results:
+        assert result["tied"] == tied and result["report"].missing == []
+        for name, weight in reference.named_parameters():
+            assert torch.equal(result["weights"][name], weight), name
+        torch.testing.assert_close(result["logits"], expected_logits, rtol=0, atol=1e-5)
+    norm_bytes = sum(p.nbytes for name, p in reference.named_parameters() if name.endswith("norm.weight"))
+    assert sum(result["report"].bytes_read for result in results) == checkpoint_bytes(path) + norm_bytes
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -260,7 +281,7 @@ def checkpoint_shapes(path: Path) -> dict[str, list[int]]:
 def value_model_rank(rank, world_size, model_path, head_weight):
     backbone = build_empty_model(model_path, dtype=torch.float32, auto_class=transformers.AutoModel)
     model = ValueModel(backbone)
-    mesh = dp_mesh(world_size)
+    mesh = dp_mesh(world_size).fsdp_mesh
     for block in backbone.layers:  # the critic's FSDP units
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -298,7 +319,7 @@ def test_backbone_loads_into_value_model(tmp_path, tied):
 def empty_shard_rank(rank, world_size, model_path):
     with parameters_on_meta():
         model = nn.Linear(4, 1)  # weight [1, 4] and bias [1]: rank 1's shards are empty
-    fully_shard(model, mesh=dp_mesh(world_size))
+    fully_shard(model, mesh=dp_mesh(world_size).fsdp_mesh)
     report = load_sharded_weights(model, model_path, device=CPU)
     return {"report": report, "weights": full_weights(model)}
 

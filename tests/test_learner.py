@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from test_actor import PAD, TEMPERATURE, full_gradients, make_actor, make_experiences
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import PolicyLoss
 from molt.batch import build_micro_batches, build_windows, count_window_micro_batches
@@ -16,7 +15,7 @@ from molt.config import MoltConfig
 from molt.critic import Critic, build_value_model
 from molt.learner import BatchInfo, Learner
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 
 CPU = torch.device("cpu")
 DECOUPLED = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, importance=("token", "trunc", 0.0, 2.0))
@@ -59,15 +58,13 @@ def one_window_rank(rank, world_size, model_path):
     cfg = learner_config(model_path, learning_rate=1e-2)
     steps = [grouped_experiences(seed, 8) for seed in (1, 2)]
     actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-2)
-    learner = Learner(cfg, actor, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), group=dist.group.WORLD,
-                      device=CPU)
+    learner = Learner(cfg, actor, mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU)
     for experiences, info in steps:
         metrics = learner.train_step(windows_of(experiences, 1), info)
     windowed = weights(actor.model)
 
     direct = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-2)
-    plain = Learner(cfg, direct, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), group=dist.group.WORLD,
-                    device=CPU)
+    plain = Learner(cfg, direct, mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU)
     for experiences, info in steps:
         micro_batches = build_micro_batches(experiences, max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
         plain._set_advantages(micro_batches, info)
@@ -106,8 +103,7 @@ def test_the_second_window_ratio_moves_off_one_and_clips(model_path):
 def epochs_rank(rank, world_size, model_path):
     cfg = learner_config(model_path, learning_rate=3e-2, mini_batches_per_step=2, ppo_epochs=2)
     actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=3e-2)
-    learner = Learner(cfg, actor, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), group=dist.group.WORLD,
-                      device=CPU)
+    learner = Learner(cfg, actor, mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU)
     experiences, info = grouped_experiences(seed=4, count=8)
     windows = windows_of(experiences, 2)
     metrics = learner.train_step(windows, info)
@@ -139,7 +135,7 @@ def packing_rank(rank, world_size, model_path, layout):
         logprobs = [actor.score(m) for m in micro_batches]
         rows = [(row, m, lp) for m, lp in zip(micro_batches, logprobs) for row in range(len(m.rows))]
         per_experience = {m.rows[row]: lp[row, :experiences[m.rows[row]].num_tokens] for row, m, lp in rows}
-        critic = Critic(build_value_model(model_path, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+        critic = Critic(build_value_model(model_path, mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"),
                                           device=CPU, plan=ShardingPlan(param_dtype=torch.float64)),
                         group=dist.group.WORLD, device=CPU, optimizer=OptimizerSettings(lr=1e-3))
         with torch.no_grad():

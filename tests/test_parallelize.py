@@ -9,17 +9,24 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from test_actor import PAD, PPO, make_actor, make_experiences
-from torch.distributed.device_mesh import DeviceMesh
+from test_actor import PAD, PPO, TEMPERATURE, make_experiences
 
+from molt.actor import Actor, build_actor_model
 from molt.batch import build_micro_batches
 from molt.config import ConfigError, MoltConfig, validate_config
 from molt.critic import build_reference_model, build_value_model
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan
+from molt.parallelize import ShardingPlan, TrainerMesh
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
+
+
+def make_actor(model_path, plan: ShardingPlan, lr: float) -> Actor:
+    """An actor over all ranks of the world (plain FSDP2)."""
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
+    model = build_actor_model(model_path, mesh=mesh, device=CPU, plan=plan)
+    return Actor(model, group=mesh.dp_group, device=CPU, temperature=TEMPERATURE, optimizer=OptimizerSettings(lr=lr))
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
@@ -40,7 +47,7 @@ def record_output_dtype(module, key: str) -> dict:
 def small_update_rank(rank, world_size, model_path, param_dtype, compute_dtype):
     """One AdamW step at lr 1e-6: the share of weights that changed, and what the forward ran in."""
     plan = ShardingPlan(param_dtype=param_dtype, compute_dtype=compute_dtype)
-    actor = make_actor(model_path, dist.group.WORLD, param_dtype, plan=plan, lr=1e-6)
+    actor = make_actor(model_path, plan, lr=1e-6)
     seen = record_output_dtype(actor.model.model.layers[0], "block_output")
     experiences, advantages = make_experiences(seed=0, count=6)
     micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
@@ -73,7 +80,7 @@ def checkpointing_rank(rank, world_size, model_path, modes):
     results = {}
     for mode, every in modes:
         plan = ShardingPlan(param_dtype=torch.float64, checkpoint_every=every)
-        actor = make_actor(model_path, dist.group.WORLD, torch.float64, plan=plan, lr=1e-3)
+        actor = make_actor(model_path, plan, lr=1e-3)
         micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000,
                                             pad_token_id=PAD)
         saved = [0]
@@ -103,7 +110,7 @@ def test_activation_checkpointing_keeps_gradients_and_saves_less(model_path):
 
 
 def follower_rank(rank, world_size, model_path):
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=torch.bfloat16, checkpoint_every=1)
     critic = build_value_model(model_path, mesh=mesh, device=CPU, plan=plan)
     reference = build_reference_model(model_path, mesh=mesh, device=CPU, plan=plan)
@@ -153,12 +160,10 @@ def test_cpu_offload_trains_on_a_gpu(model_path):
 
 
 def offload_rank(rank, world_size, model_path):
-    from molt.actor import Actor, build_actor_model
-
     dist.destroy_process_group()
     dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cuda")
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=torch.bfloat16, cpu_offload=True)
     model = build_actor_model(model_path, mesh=mesh, device=device, plan=plan)
     actor = Actor(model, group=dist.group.WORLD, device=device, optimizer=OptimizerSettings(lr=1e-4))

@@ -272,13 +272,13 @@ def build_step_windows(experiences: list, *, max_tokens_per_micro_batch: int, la
 
 def build_learner(cfg, group: dist.ProcessGroup):
     """The actor and learner of `cfg` on CPU, built the way molt.trainer.Trainer builds them."""
-    from torch.distributed.device_mesh import DeviceMesh
+    from molt.parallelize import TrainerMesh
 
     from molt.actor import Actor, build_actor_model, choose_layout
     from molt.learner import Learner, optimizer_settings
     from molt.parallelize import ShardingPlan
 
-    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    mesh = TrainerMesh.from_group(group, "cpu")
     plan = ShardingPlan.from_config(cfg)
     model = build_actor_model(cfg.model.path, mesh=mesh, device=CPU, plan=plan,
                               logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
@@ -286,7 +286,7 @@ def build_learner(cfg, group: dist.ProcessGroup):
                   max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
     if cfg.train.packing and choose_layout(actor, PAD_TOKEN_ID, plan.forward_dtype) == "padded":
         raise RuntimeError("the model does not keep packed sequences apart here; packing figures are meaningless")
-    return Learner(cfg, actor, mesh=mesh, group=group, device=CPU)
+    return Learner(cfg, actor, mesh=mesh, device=CPU)
 
 
 def time_alternating(runs: dict[str, Callable[[], object]], *, warmup: int, measured: int) -> dict[str, list[float]]:
@@ -312,11 +312,11 @@ def count_tokens(windows: list[list]) -> tuple[int, int]:
 
 def build_bare_model(model_path: Path, group: dist.ProcessGroup, learning_rate: float):
     """The plain Hugging Face model under FSDP2 (one unit per decoder layer and the root), with AdamW."""
-    from torch.distributed.device_mesh import DeviceMesh
+    from molt.parallelize import TrainerMesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    mesh = TrainerMesh.from_group(group, "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -519,14 +519,14 @@ GPU_PRESETS: dict[str, dict] = {
 def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.device):
     """A random Qwen3 saved to a temp dir (bf16 safetensors), loaded by Molt's sharded loader as
     float32 master weights with bfloat16 compute, every block checkpointed, chunked log-probs."""
-    from torch.distributed.device_mesh import DeviceMesh
+    from molt.parallelize import TrainerMesh
 
     from molt.actor import Actor, build_actor_model
     from molt.optimizer import OptimizerSettings
     from molt.parallelize import ShardingPlan
 
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=torch.bfloat16, checkpoint_every=1)
-    mesh = DeviceMesh.from_group(group, "cuda", mesh_dim_names=("dp",))
+    mesh = TrainerMesh.from_group(group, "cuda")
     with tempfile.TemporaryDirectory(prefix="molt-gpu-scale-") as directory:
         write_random_qwen3(Path(directory), sizes, dtype=torch.bfloat16, device=device)
         torch.cuda.empty_cache()
