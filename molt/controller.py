@@ -387,25 +387,38 @@ class RolloutController:
 
     # -- refit and probes ------------------------------------------------------------------
 
+    def await_paused(self, version: int, attempt: int, deadline: float) -> str | None:
+        """Wait until `deadline` for every engine to say it paused for one refit attempt, ready to
+        receive. None when all did (the sender may broadcast); otherwise what went wrong, naming each
+        engine that did not: then nothing is broadcast and the attempt has failed."""
+        problems = self._refit_problems("refit_paused", version, attempt, deadline, "acknowledge the pause")
+        return (f"refit v{version} (attempt {attempt}): " + "; ".join(problems) + "; nothing was broadcast"
+                if problems else None)
+
     def finish_refit(self, version: int, attempt: int, deadline: float, send_error: Exception | None) -> str | None:
         """Wait until `deadline` for every engine to confirm one refit attempt. None when all
         loaded the weights; otherwise what went wrong, naming each engine that did not."""
+        problems = self._refit_problems("refit_done", version, attempt, deadline, "confirm")
+        if send_error is not None:
+            problems.append(f"the trainer's {send_error}")
+        return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
+
+    def _refit_problems(self, reply_type: str, version: int, attempt: int, deadline: float, verb: str) -> list[str]:
+        """One line per engine whose `reply_type` for this attempt was missing by `deadline` or reported an error."""
         def this_attempt(message: dict) -> bool:
             return message["version"] == version and message["attempt"] == attempt
 
-        replies = self.receive_replies("refit_done", len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
+        replies = self.receive_replies(reply_type, len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
         by_rank = {reply["rank"]: reply for reply in replies}
         problems = []
         for rank in self.rollout_ranks:
             reply = by_rank.get(rank)
             if reply is None:
-                problems.append(f"the engine of rollout rank {rank} did not confirm within "
+                problems.append(f"the engine of rollout rank {rank} did not {verb} within "
                                 f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}")
             elif reply["error"]:
                 problems.append(f"the engine of rollout rank {rank} failed: {reply['error']}")
-        if send_error is not None:
-            problems.append(f"the trainer's {send_error}")
-        return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
+        return problems
 
     def score_on_engines(self, token_ids: list[int], timeout_seconds: float) -> list[list[float]]:
         self.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 import logging
 import os
 from dataclasses import dataclass
 
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
+from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
 
 logger = logging.getLogger("molt")
 
@@ -51,10 +52,11 @@ class EngineStartError(RuntimeError):
 class RolloutEngine:
     """One vLLM AsyncLLM (engine core in its own process) plus Molt's weight version."""
 
-    def __init__(self, llm, tokenizer, *, seed: int = 0):
+    def __init__(self, llm, tokenizer, *, seed: int = 0, weight_sync: EngineWeightSync | None = None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.seed = seed
+        self.weight_sync = weight_sync or build_engine_sync("gloo")  # the engine half of refit (molt.weight_sync)
         self.policy_version = 0
         self._request_ids = itertools.count()
         # (policy version, prompt ids) -> generations of that prompt so far under that version; see _sampling_seed.
@@ -68,20 +70,29 @@ class RolloutEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from molt.train import trainer_device_type
+
         if cfg.rollout.engine_threads > 0:
             os.environ.setdefault("OMP_NUM_THREADS", str(cfg.rollout.engine_threads))
+        tensor_parallel = cfg.layout.engine_tensor_parallel_size
+        if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+                sorted(os.sched_getaffinity(0)), tensor_parallel, cfg.rollout.engine_threads)
+        backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg))
         args = AsyncEngineArgs(
             model=cfg.model.path,
             dtype=cfg.model.dtype,
             seed=seed,
             max_model_len=cfg.rollout.max_length,
             gpu_memory_utilization=cfg.rollout.engine_memory_fraction,
-            tensor_parallel_size=cfg.layout.engine_tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel,
             enforce_eager=cfg.rollout.enforce_eager,
             # Behaviour log-probs must be those of the distribution actually sampled from
             # (after temperature), because the trainer recomputes them at that temperature.
             logprobs_mode="processed_logprobs",
             worker_extension_cls=cfg.refit.receiver_cls,
+            # NCCL refit goes through vLLM's own weight-transfer engine in each worker (molt.weight_sync_nccl).
+            weight_transfer_config={"backend": "nccl"} if backend == "nccl" else None,
             disable_log_stats=True,
             # Every request carries a sampling seed (_sampling_seed). When vLLM throws away the
             # sample of a partial (chunked) prefill it rewinds that request's generator, which a CPU
@@ -97,7 +108,7 @@ class RolloutEngine:
                 f"vLLM could not load model.path={cfg.model.path!r}: {type(error).__name__}: {error}. "
                 f"Check that it is a Hugging Face model directory of an architecture vLLM supports "
                 f"(tools/make_tiny_model.py writes one)") from error
-        return cls(llm, tokenizer, seed=seed)
+        return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend))
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
         """The whole generation at once (one engine output, not one per step)."""
@@ -169,35 +180,59 @@ class RolloutEngine:
             final = output
         return [0.0] + [float(step[token].logprob) for token, step in zip(token_ids[1:], final.prompt_logprobs[1:])]
 
-    async def join_refit_group(self, **kwargs) -> None:
-        await self.llm.collective_rpc("molt_join_refit_group", kwargs=kwargs)
+    async def join_refit_group(self, **group) -> None:
+        """Join the refit group a 'join_refit' message describes (molt.weight_sync)."""
+        await self.weight_sync.join(self.llm, group)
 
     async def receive_weights(self, version: int) -> None:
         """Receive one refit broadcast and load it; generation must be paused by the caller. The
         engine core labels what it samples from here on with `version` (see `stream`)."""
-        await self.llm.collective_rpc("molt_receive_weights", kwargs={"version": version})
+        await self.weight_sync.receive(self.llm, version)
         await self.llm.update_weight_version(str(version))
         self.policy_version = version
         self._prompt_counts.clear()  # its keys carry the version: older ones can never match again
 
-    async def swap_weights(self, version: int, *, partial_rollout: bool) -> None:
-        """Pause generation, receive one refit broadcast, resume. Requests submitted meanwhile wait
-        in the engine's queue and start under the new weights; none is aborted.
+    async def swap_weights(self, version: int, *, partial_rollout: bool,
+                           on_paused: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Pause generation, get the workers ready (`on_paused` then tells the trainer, which
+        broadcasts once every engine is paused), receive one refit broadcast, resume. Requests
+        submitted meanwhile wait in the engine's queue and start under the new weights; none is aborted.
 
         partial_rollout=False ('wait'): requests in flight first finish under the old weights, so
         no generation call spans two versions. partial_rollout=True ('keep'): they are frozen where
         they are and continue from their generated prefixes under the new weights. The cache is
         cleared in both modes: a retained request's KV cache was computed by the old weights, so
         it re-computes its prompt and prefix under the new ones, and every token sampled after the
-        swap is a sample of the new policy given that prefix (its log-prob, too)."""
+        swap is a sample of the new policy given that prefix (its log-prob, too).
+
+        A failure after some new weights reached the model leaves the engine paused: it holds a mix
+        of old and new weights and serves nothing until a later refit succeeds (RELIABILITY 29)."""
         await self.llm.pause_generation(mode="keep" if partial_rollout else "wait", clear_cache=True)
+        intact = True
         try:
+            await self.weight_sync.prepare(self.llm, version)
+            if on_paused is not None:
+                await on_paused()
             await self.receive_weights(version)
+        except BaseException:
+            intact = await self._recover_weight_sync()
+            raise
         finally:
-            await self.llm.resume_generation()
+            if intact:
+                await self.llm.resume_generation()
+            else:
+                logger.error("refit v%d failed after part of its weights were loaded: the engine stays paused "
+                             "until a refit succeeds", version)
+
+    async def _recover_weight_sync(self) -> bool:
+        try:
+            return await self.weight_sync.recover(self.llm)
+        except Exception:
+            logger.exception("could not recover the engine's weight sync after a failed refit")
+            return False
 
     async def leave_refit_group(self) -> None:
-        await self.llm.collective_rpc("molt_leave_refit_group")
+        await self.weight_sync.leave(self.llm)
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -223,3 +258,22 @@ def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
         label = spans[span_index].version
         versions.append(int(label) if label.lstrip("-").isdigit() else 0)
     return versions
+
+
+def cpu_thread_binding(cores: list[int], num_workers: int, threads_per_worker: int = 0) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `num_workers` tensor-parallel CPU workers: vLLM's
+    default binds each worker to a NUMA node of its own and refuses to start with fewer nodes than
+    workers (one node is the common case), so the cores this process may run on are split into
+    `num_workers` contiguous groups, one per worker ('0|1' for 2 workers on cores 0 and 1), each at
+    most `threads_per_worker` cores when that is set (rollout.engine_threads). With fewer cores than
+    workers, workers share cores. Rollout ranks on one machine bind the same cores unless the launcher
+    gives each its own affinity (taskset, srun --cpu-bind)."""
+    if len(cores) < num_workers:
+        groups = [[cores[worker % len(cores)]] for worker in range(num_workers)]
+    else:
+        size, extra = divmod(len(cores), num_workers)
+        starts = [worker * size + min(worker, extra) for worker in range(num_workers + 1)]
+        groups = [cores[starts[worker]:starts[worker + 1]] for worker in range(num_workers)]
+    if threads_per_worker > 0:
+        groups = [group[:threads_per_worker] for group in groups]
+    return "|".join(",".join(str(core) for core in group) for group in groups)

@@ -1,9 +1,9 @@
-"""The trainer side of refit: bucket the weights, gather them from FSDP2 shards, broadcast them
-into every engine's workers through one dedicated process group (DESIGN section 6).
+"""The gloo backend of weight sync (molt.weight_sync): host memory over one gloo process group
+outside torch.distributed's world, the trainer's sender as rank 0 and every engine worker as one
+more rank. What CPU runs use; the engine workers' side is molt.refit_receiver.
 
-Control traffic per refit is one 'refit' message per rollout rank; the bucket plan (names,
-dtypes, shapes) travels once, when the group is built. Each bucket is one flat tensor and one
-broadcast, so the number of collectives is the number of buckets.
+The bucket plan (names, dtypes, shapes) travels once, in the join message. Each bucket is one flat
+tensor and one broadcast, so the collectives per refit are the buckets.
 """
 
 from __future__ import annotations
@@ -11,53 +11,13 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from molt.weight_sync import BucketEntry, EngineWeightSync, RefitSendError, WeightSender
 
 logger = logging.getLogger("molt")
-
-
-class RefitError(RuntimeError):
-    """A refit did not complete on every engine; the message names each engine that failed and why."""
-
-
-class RefitSendError(RuntimeError):
-    """The sender's broadcast failed (the refit group's timeout, or a peer went away)."""
-
-
-@dataclass(frozen=True)
-class BucketEntry:
-    name: str  # Hugging Face parameter name, as vLLM's load_weights expects
-    dtype: str  # torch dtype name, e.g. 'float32'
-    shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * getattr(torch, self.dtype).itemsize
-
-
-def plan_buckets(entries: list[BucketEntry], bucket_bytes: int) -> list[list[BucketEntry]]:
-    """Group parameters, in order, into buckets of one dtype and at most `bucket_bytes` each
-    (a larger parameter gets a bucket of its own)."""
-    buckets: list[list[BucketEntry]] = []
-    current: list[BucketEntry] = []
-    current_bytes = 0
-    for entry in entries:
-        fits = current and current[0].dtype == entry.dtype and current_bytes + entry.num_bytes <= bucket_bytes
-        if current and not fits:
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(entry)
-        current_bytes += entry.num_bytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def make_refit_group(host: str, port: int, rank: int, world_size: int, timeout_seconds: float,
@@ -75,69 +35,53 @@ def find_free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class RefitSender:
-    """Runs on every trainer rank (all take part in the FSDP2 gathers); only the sending rank
-    talks to the engines."""
+class RefitSender(WeightSender):
+    """The trainer half over gloo; the gloo group's own timeout (refit.timeout_seconds) bounds each
+    broadcast, so no watchdog is needed."""
 
-    def __init__(self, model: torch.nn.Module, *, is_sender: bool, bucket_bytes: int, timeout_seconds: float,
-                 engine_dtype: str | None = None):
-        """`engine_dtype`: what the engines serve (model.dtype); the stored (master) weights are cast
-        to it inside each bucket, so the wire and the engine's buffers carry engine-sized bytes.
-        None keeps each parameter's own dtype."""
-        self.model = model
-        self.is_sender = is_sender
-        self.timeout_seconds = timeout_seconds
+    backend = "gloo"
+
+    def __init__(self, model: torch.nn.Module, **kwargs):
+        super().__init__(model, **kwargs)
         self.group: dist.ProcessGroup | None = None
-        params = dict(model.named_parameters())
-        entries = [BucketEntry(name, engine_dtype or str(p.dtype).removeprefix("torch."), tuple(p.shape))
-                   for name, p in params.items()]
-        self.buckets = plan_buckets(entries, bucket_bytes)
-        self._params = params
+        self._rendezvous: tuple[str, int, int] | None = None  # host, port, world size of the next group
         self._buffers: dict[str, torch.Tensor] = {}
 
-    @property
-    def wire_plan(self) -> list[list[list]]:
-        """The bucket plan as msgpack-friendly lists, sent once to each engine worker."""
-        return [[[e.name, e.dtype, list(e.shape)] for e in bucket] for bucket in self.buckets]
+    def group_message(self, host: str, world_size: int) -> dict:
+        port = find_free_port(host)
+        self._rendezvous = (host, port, world_size)
+        return {"backend": self.backend, "host": host, "port": port, "world_size": world_size,
+                "timeout_seconds": self.timeout_seconds, "plan": self.wire_plan}
+
+    def connect(self) -> None:
+        """Serve the rendezvous and join as rank 0 (blocks until every worker joined)."""
+        host, port, world_size = self._rendezvous
+        try:
+            self.group = make_refit_group(host, port, 0, world_size, self.timeout_seconds, is_server=True)
+        except RuntimeError as error:  # the store's timeout
+            raise RefitSendError(f"not every engine worker joined the gloo refit group of {world_size} ranks "
+                                 f"within refit.timeout_seconds={self.timeout_seconds:g}: {error}") from error
 
     def open_group(self, host: str, port: int, world_size: int) -> None:
-        """Sender only: serve the rendezvous and join as rank 0 (blocks until all workers join)."""
-        self.group = make_refit_group(host, port, 0, world_size, self.timeout_seconds, is_server=True)
+        """`connect` to a group on a port the caller chose (tests and tools/bench/refit.py)."""
+        self._rendezvous = (host, port, world_size)
+        self.connect()
 
     def close_group(self) -> None:
         self.group = None
 
-    def broadcast(self) -> int:
-        """Gather every bucket from the shards (all trainer ranks) and send it (sender). Returns bytes sent.
-
-        A failed send raises RefitSendError on the sender, but only after the remaining buckets were
-        gathered: every trainer rank runs the same gathers whatever happened on the wire, so a
-        failure towards the engines never leaves a trainer rank waiting in a collective."""
-        with torch.no_grad():
-            return self._broadcast_buckets()
-
-    def _broadcast_buckets(self) -> int:
-        sent, error = 0, None
-        for bucket in self.buckets:
-            tensors = [_full_tensor(self._params[entry.name]) for entry in bucket]
-            if not self.is_sender or error is not None:
-                continue
-            flat = self._flat_buffer(bucket)
-            offset = 0
-            for tensor in tensors:
-                flat[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))  # cast to the engine dtype
-                offset += tensor.numel()
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            try:
-                self.group.broadcast([flat], options).wait()
-            except RuntimeError as failure:  # gloo: the group's timeout, or a closed connection
-                error = failure
-                continue
-            sent += flat.numel() * flat.element_size()
-        if error is not None:
-            raise RefitSendError(f"broadcast failed after {sent} bytes: {error}") from error
-        return sent
+    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> None:
+        flat = self._flat_buffer(bucket)
+        offset = 0
+        for tensor in tensors:
+            flat[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))  # cast to the engine dtype
+            offset += tensor.numel()
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            self.group.broadcast([flat], options).wait()
+        except RuntimeError as error:  # gloo: the group's timeout, or a closed connection
+            raise RefitSendError(str(error)) from error
 
     def _flat_buffer(self, bucket: list[BucketEntry]) -> torch.Tensor:
         """A view of one reused buffer per dtype: fresh multi-MB buffers every refit would run
@@ -153,5 +97,28 @@ class RefitSender:
         return buffer[:numel]
 
 
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param
+class GlooEngineSync(EngineWeightSync):
+    """The engine half over gloo: Molt's worker extension (molt.refit_receiver) does the work in
+    each worker; this calls it through `collective_rpc`."""
+
+    backend = "gloo"
+
+    async def join(self, llm, group: dict) -> None:
+        group = dict(group)
+        backend = group.pop("backend", self.backend)
+        if backend != self.backend:
+            raise RuntimeError(f"the trainer sends weights over {backend}, but this engine was started for "
+                               f"{self.backend} (refit.backend resolves differently on the two sides)")
+        await llm.collective_rpc("molt_join_refit_group", kwargs=group)
+
+    async def prepare(self, llm, version: int) -> None:
+        await llm.collective_rpc("molt_prepare_refit", kwargs={"version": version})
+
+    async def receive(self, llm, version: int) -> None:
+        await llm.collective_rpc("molt_receive_weights", kwargs={"version": version})
+
+    async def recover(self, llm) -> bool:
+        return all(await llm.collective_rpc("molt_weights_intact"))
+
+    async def leave(self, llm) -> None:
+        await llm.collective_rpc("molt_leave_refit_group")

@@ -1,16 +1,38 @@
-"""The engine side of refit. vLLM loads this class into each of its worker processes
+"""The engine workers' side of weight sync. vLLM loads this class into each of its worker processes
 (`worker_extension_cls`); Molt calls its methods through `collective_rpc`.
 
-The worker joins a refit process group (rank 0 = the trainer's sending rank), receives each
-bucket as one flat tensor and loads the weights in place with vLLM's `reload_weights`.
+gloo: each worker joins the refit group as rank `first rank + its tensor-parallel rank`, receives
+every bucket (full Hugging Face tensors; vLLM's weight loaders take this worker's slice) into one
+buffer sized for the largest bucket, and feeds the weights to one `reload_weights` call as they
+arrive.
+
+What the receive holds in memory. vLLM's layerwise reload
+(vllm/model_executor/model_loader/reload/layerwise.py) does not copy a weight when it is handed
+one: it keeps a reference to the given tensor until every weight of that layer has arrived
+(`info.loaded_weights`), then loads them all and processes the layer. A layer whose weights
+straddle two buckets would read the next bucket's bytes out of the reused buffer, so before each
+bucket is received the tensors vLLM still holds that view the buffer are cloned
+(`_molt_detach_retained`). The bound per worker is therefore the largest bucket, plus the weights
+received so far of the layers still incomplete at a bucket boundary (at most one layer when the
+plan follows the module order, as the trainer's does), plus the weights of layers vLLM processes
+only at the end (attention layers with checkpoint scales, layers whose weights carry padding),
+plus vLLM's own transient copy of the layer it is processing. The real model's numbers are in
+`molt_receive_stats`.
+
+nccl: vLLM's NCCLWeightTransferEngine does the receiving (molt.weight_sync_nccl); this class adds
+the watchdog that aborts the worker's communicator when no data comes, and the clean-up after a
+failed update. That part has never run on a GPU.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from molt.weight_sync import RefitError, Watchdog, bucket_num_bytes
 
 logger = logging.getLogger("molt")
 
@@ -18,39 +40,100 @@ logger = logging.getLogger("molt")
 class RefitReceiver:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
+    # -- gloo ----------------------------------------------------------------------------------
+
     def molt_join_refit_group(self, *, host: str, port: int, rank: int, world_size: int,
                               timeout_seconds: float, plan: list[list[list]]) -> None:
+        """Join the refit group; `rank` is the engine's first refit rank, to which each worker adds
+        its tensor-parallel rank."""
         from molt.refit import make_refit_group
 
         # Every in-place reload warns that the rotary cache and a tied lm_head got no checkpoint
         # tensor; both are expected here (the lm_head is re-tied below).
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self._molt_group = make_refit_group(host, port, rank, world_size, timeout_seconds, is_server=False)
+        own_rank = rank + self.molt_tensor_parallel_rank()
+        self._molt_group = make_refit_group(host, port, own_rank, world_size, timeout_seconds, is_server=False)
         self._molt_plan = plan  # buckets of [name, dtype, shape]
-        # Receive buffers allocated once: reused every refit (vLLM copies out of them on reload).
-        self._molt_buffers = [torch.empty(sum(_numel(shape) for _, _, shape in bucket), dtype=getattr(torch, bucket[0][1]))
-                              for bucket in plan]
+        # One receive buffer, the largest bucket's size, allocated once and reused by every bucket of
+        # every refit (fresh multi-MB buffers would run at first-touch memory speed).
+        self._molt_buffer = torch.empty(max(bucket_num_bytes(bucket) for bucket in plan), dtype=torch.uint8)
+        self._molt_detached_bytes = self._molt_held_bytes = 0
+
+    def molt_tensor_parallel_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    def molt_prepare_refit(self, version: int) -> None:
+        """Called with generation paused, before the engine acknowledges the pause."""
+        if getattr(self, "_molt_group", None) is None:
+            raise RefitError(f"refit v{version}: this worker is in no refit group (it left, or never joined)")
 
     def molt_receive_weights(self, version: int) -> None:
-        """Receive the buckets of refit `version` and load them in place."""
-        weights = self.molt_receive_buckets()
-        self.molt_load_weights(weights)
+        """Receive the buckets of refit `version` and load them in place as they arrive."""
+        self.molt_load_weights(self.molt_stream_weights())
 
-    def molt_receive_buckets(self) -> list[tuple[str, torch.Tensor]]:
-        weights: list[tuple[str, torch.Tensor]] = []
-        for bucket, flat in zip(self._molt_plan, self._molt_buffers):
-            numels = [_numel(shape) for _, _, shape in bucket]
+    def molt_stream_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) per weight, bucket by bucket; each tensor views the receive buffer, so it is
+        valid until the next bucket arrives (what vLLM still holds then is cloned first)."""
+        self._molt_detached_bytes = self._molt_held_bytes = 0
+        for bucket in self._molt_plan:
+            cloned, held = self._molt_detach_retained()
+            self._molt_detached_bytes += cloned
+            self._molt_held_bytes = max(self._molt_held_bytes, held)
+            dtype = getattr(torch, bucket[0][1])
+            flat = self._molt_buffer[:bucket_num_bytes(bucket)].view(dtype)
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self._molt_group.broadcast([flat], options).wait()
+            numels = [_numel(shape) for _, _, shape in bucket]
             for (name, _, shape), chunk in zip(bucket, flat.split(numels)):
-                weights.append((name, chunk.view(shape)))
-        return weights
+                self._molt_intact = False  # from here on a failure may leave old and new weights mixed
+                yield name, chunk.view(shape)
 
-    def molt_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        # One reload for the whole model: vLLM re-packs CPU weights after loading, per call.
-        self.model_runner.reload_weights(weights_iterator=iter(weights))
+    def _molt_detach_retained(self) -> tuple[int, int]:
+        """Clone each tensor vLLM's layerwise reload still holds (a layer not yet complete) that views
+        the receive buffer, before the buffer is overwritten. Returns the bytes cloned, and the bytes
+        vLLM holds outside the buffer from then until those layers are complete."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        storage = self._molt_buffer.untyped_storage().data_ptr()
+        cloned = held = 0
+        for info in list(LAYERWISE_INFO.values()):
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if not isinstance(value, torch.Tensor) or value.is_meta:
+                        continue
+                    if value.untyped_storage().data_ptr() == storage:
+                        bound.arguments[key] = value = value.clone()
+                        cloned += value.nbytes
+                    held += value.nbytes
+        return cloned, held
+
+    def molt_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One in-place reload of the whole model, fed lazily: vLLM's loaders take each weight as the
+        iterator yields it. (On CPU `model.load_weights` alone fails: the CPU kernels repack weights,
+        which the reload undoes and redoes.) A failure part-way leaves the layers loaded so far with
+        new weights and the rest with old ones (`molt_weights_intact` says so)."""
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+        except BaseException:
+            self._molt_end_abandoned_reload()
+            self._molt_retie_embeddings()
+            raise
         self._molt_retie_embeddings()
+        self._molt_intact = True  # all new
+
+    def molt_weights_intact(self) -> bool:
+        """False while the model may hold a mix of old and new weights: after a receive failed part-way,
+        until a later one succeeds."""
+        return getattr(self, "_molt_intact", True)
+
+    def molt_receive_stats(self) -> dict[str, int]:
+        """Receive memory of the last refit: the reused buffer; the bytes cloned out of it, in all; and
+        the most that vLLM held outside it at once (weights of layers straddling a bucket boundary)."""
+        return {"buffer_bytes": self._molt_buffer.nbytes, "detached_bytes": self._molt_detached_bytes,
+                "held_bytes_max": self._molt_held_bytes}
 
     def _molt_retie_embeddings(self) -> None:
         """With tied embeddings the checkpoint has no lm_head weight, so vLLM's in-place reload
@@ -68,7 +151,56 @@ class RefitReceiver:
     def molt_leave_refit_group(self) -> None:
         self._molt_group = None
         self._molt_plan = None
-        self._molt_buffers = None
+        self._molt_buffer = None
+
+    # -- nccl (never run on a GPU) -------------------------------------------------------------
+
+    def molt_arm_watchdog(self, *, timeout_seconds: float, what: str) -> None:
+        """Before an NCCL weight update: abort this worker's communicator (vLLM's weight-transfer
+        engine's) if the update is still running after `timeout_seconds`; the blocked broadcast then
+        returns, and `molt_disarm_watchdog` raises."""
+        communicator = self.weight_transfer_engine.model_update_group
+        if communicator is None:
+            raise RefitError(f"{what}: this worker has no NCCL refit communicator (it never joined)")
+        self._molt_watchdog = Watchdog(timeout_seconds, communicator.destroy, what).__enter__()
+
+    def molt_disarm_watchdog(self) -> None:
+        watchdog, self._molt_watchdog = getattr(self, "_molt_watchdog", None), None
+        if watchdog is None:
+            return
+        watchdog.disarm()
+        if watchdog.fired:
+            raise RefitError(f"{watchdog.what}: no weights within refit.timeout_seconds="
+                             f"{watchdog.timeout_seconds:g}; the worker's NCCL communicator was aborted")
+
+    def molt_abandon_weight_update(self) -> None:
+        """After a failed NCCL update: stop the watchdog, end vLLM's update session and its layerwise
+        reload (which otherwise leaves every layer on the meta device), so the next group can join."""
+        watchdog, self._molt_watchdog = getattr(self, "_molt_watchdog", None), None
+        if watchdog is not None:
+            watchdog.disarm()
+        self._molt_end_abandoned_reload()
+        if getattr(self, "_weight_update_active", False):  # vLLM's Worker: an update session is open
+            self.weight_transfer_engine.reset_weight_update_target()
+            self._weight_update_active = False
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def _molt_end_abandoned_reload(self) -> None:
+        """Finish a layerwise reload that stopped part-way, keeping the old weights of every layer not
+        complete (vLLM would otherwise process a half-loaded layer, with uninitialised memory for its
+        missing weights); complete layers keep their new ones."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        infos = [LAYERWISE_INFO[layer] for layer in model.modules() if layer in LAYERWISE_INFO]
+        if not any(info.can_load() for info in infos):
+            return
+        for info in infos:
+            if info.can_load() and info.load_numel:
+                info.loaded_weights, info.load_numel = [], 0
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        logger.warning("a weight load stopped part-way; layers not complete keep their old weights")
 
 
 def _numel(shape: list[int]) -> int:
@@ -76,4 +208,3 @@ def _numel(shape: list[int]) -> int:
     for size in shape:
         count *= size
     return count
-

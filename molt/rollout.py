@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from molt.experience import split_at_version_changes
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import ProcessResourceSampler
 from molt.payloads import PayloadStore, default_node_id, offload_record
+from molt.weight_sync import RefitError
 from molt.wire import connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -147,22 +149,40 @@ class RolloutService:
         await self.send({"type": "refit_joined", "rank": self.rank})
 
     async def refit(self, message: dict) -> None:
-        """One refit attempt; its failure is reported to the trainer, which names this engine,
-        rebuilds the refit group and retries. Until a refit succeeds the engine keeps its old
-        weights and labels what it samples with their version."""
+        """One refit attempt: pause the engine and get its workers ready, say 'refit_paused' (the
+        trainer broadcasts once every engine has), receive and load, resume, say 'refit_done'. A
+        failure is reported in the reply due next; the trainer names this engine, rebuilds the refit
+        group and retries. Until a refit succeeds the engine keeps its old weights and labels what it
+        samples with their version (or, if a load failed part-way, stays paused)."""
         # Rollouts may be in flight (algorithm.max_staleness > 0); none is aborted. With
         # rollout.partial_rollout their requests are frozen and continue under the new weights;
         # without it they finish under the old ones before the swap (RolloutEngine.swap_weights).
+        version, attempt = message["version"], message["attempt"]
+        reply = {"rank": self.rank, "version": version, "attempt": attempt}
+        timeout = self.cfg.refit.timeout_seconds
+        deadline = time.monotonic() + timeout
+        paused = False
+
+        async def acknowledge_pause() -> None:
+            nonlocal paused
+            if time.monotonic() > deadline:  # the trainer gave up on this attempt: it will not broadcast
+                raise RefitError(f"paused only after refit.timeout_seconds={timeout:g}")
+            paused = True
+            await self.send({"type": "refit_paused", **reply, "error": None})
+
         error = None
         async with self.refit_lock:
             try:
-                await self.engine.swap_weights(message["version"], partial_rollout=self.cfg.rollout.partial_rollout)
+                await self.engine.swap_weights(version, partial_rollout=self.cfg.rollout.partial_rollout,
+                                               on_paused=acknowledge_pause)
             except Exception as failure:
-                logger.error("rollout rank %d: refit v%d (attempt %d) failed:\n%s", self.rank, message["version"],
-                             message["attempt"], traceback.format_exc())
+                logger.error("rollout rank %d: refit v%d (attempt %d) failed:\n%s", self.rank, version, attempt,
+                             traceback.format_exc())
                 error = f"{type(failure).__name__}: {failure}"
-        await self.send({"type": "refit_done", "rank": self.rank, "version": message["version"],
-                         "attempt": message["attempt"], "error": error})
+        if not paused:  # the trainer is still waiting for the pause
+            await self.send({"type": "refit_paused", **reply, "error": error})
+            return
+        await self.send({"type": "refit_done", **reply, "error": error})
 
     async def leave_refit(self, message: dict) -> None:
         await self.engine.leave_refit_group()

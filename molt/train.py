@@ -237,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(cfg)
+    if cfg.layout.trainer_context_parallel_size > 1:
+        logger.error("layout.trainer_context_parallel_size=%d: context parallelism is validated by --dry-run but the "
+                     "training loop does not shard sequences yet (docs/gpu.md); set 1",
+                     cfg.layout.trainer_context_parallel_size)
+        return 2
     if not launched:
         logger.error("molt.train must run under torchrun (or srun); e.g. "
                      "torchrun --nproc_per_node=%d -m molt.train --config %s", cfg.world_size, args.config)
@@ -273,6 +278,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     import torch
     import torch.distributed as dist
 
+    from molt.parallelize import build_trainer_mesh
     from molt.placement import check_placement, node_gpu_ids
     from molt.rollout import run_rollout_rank
     from molt.trainer import Trainer
@@ -296,8 +302,13 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     check_placement(cfg, rank, os.environ, node_gpus=node_gpus, group=dist.group.WORLD,
                     on_gpu=device_type == "cuda" if is_trainer else cfg.device != "cpu")
     device = resolve_device(cfg, local_rank) if is_trainer else torch.device("cpu")
-    trainer_group = dist.new_group(list(range(num_trainers)),
-                                   timeout=datetime.timedelta(seconds=trainer_group_timeout(cfg).total_seconds))
+    timeout_seconds = trainer_group_timeout(cfg).total_seconds
+    trainer_group = dist.new_group(list(range(num_trainers)), timeout=datetime.timedelta(seconds=timeout_seconds))
+    # Collective over the world like new_group: rollout ranks take part and get None.
+    mesh = build_trainer_mesh(num_trainer_ranks=num_trainers, device_type=device.type,
+                              data_parallel_replicate=cfg.layout.trainer_data_parallel_replicate,
+                              tensor_parallel_size=cfg.layout.trainer_tensor_parallel_size,
+                              timeout_seconds=timeout_seconds)
     store = dist.distributed_c10d._get_default_store()
     host = job_host(os.environ)
     rollout_ranks = list(range(num_trainers, world_size))
@@ -306,14 +317,14 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
             logger.info("%s", describe_layout(cfg))
             router = Router(host)
             store.set(CONTROLLER_KEY, router.address)
-            Trainer(cfg, rank=rank, group=trainer_group, device=device, host=host, controller_address=router.address,
-                    router=router, rollout_ranks=rollout_ranks).train()
+            Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
+                    controller_address=router.address, router=router, rollout_ranks=rollout_ranks).train()
             logger.info("done; metrics in %s", os.path.join(cfg.output_dir, "metrics.jsonl"))
         else:
             address = store.get(CONTROLLER_KEY).decode()
             if is_trainer:
-                Trainer(cfg, rank=rank, group=trainer_group, device=device, host=host, controller_address=address,
-                        router=None, rollout_ranks=rollout_ranks).train()
+                Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
+                        controller_address=address, router=None, rollout_ranks=rollout_ranks).train()
             else:
                 run_rollout_rank(cfg, rank, address, host)
     finally:

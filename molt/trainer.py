@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from molt.actor import Actor, build_actor_model, choose_layout
 from molt.batch import assign_to_ranks, build_windows, count_window_micro_batches
@@ -20,9 +19,9 @@ from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner, optimizer_settings
 from molt.metrics import MetricsLogger, StageTimer, process_resources
-from molt.parallelize import ShardingPlan
-from molt.payloads import PayloadClient, default_node_id, reload_record
-from molt.refit import RefitError, RefitSender, RefitSendError, find_free_port
+from molt.parallelize import ShardingPlan, TrainerMesh
+from molt.payloads import PayloadClient, PayloadRef, default_node_id, reload_record
+from molt.weight_sync import RefitError, RefitSendError, build_sender, engine_first_rank, refit_world_size
 from molt.wire import Router, connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -36,8 +35,11 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: MoltConfig, *, rank: int, group: dist.ProcessGroup, device: torch.device,
-                 host: str, controller_address: str, router: Router | None, rollout_ranks: list[int]):
+    def __init__(self, cfg: MoltConfig, *, rank: int, group: dist.ProcessGroup, mesh: TrainerMesh,
+                 device: torch.device, host: str, controller_address: str, router: Router | None,
+                 rollout_ranks: list[int]):
+        """`group`: all trainer ranks (control broadcasts, checkpoints, refit gathers); `mesh`: the
+        trainer mesh (molt.parallelize.build_trainer_mesh), whose dp_group sums the data."""
         self.cfg = cfg
         self.rank = rank
         self.group = group
@@ -45,19 +47,19 @@ class Trainer:
         self.host = host
         self.is_controller = rank == 0
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+        # Trainer rank r is tensor-parallel rank r % tp of data-parallel rank r // tp (molt.parallelize).
+        self.tp_size, self.tp_rank, self.dp_size = mesh.tp_size, mesh.tp_rank, mesh.dp_size
+        self.unreleased_payloads: list[PayloadRef] = []  # see reload
         plan = ShardingPlan.from_config(cfg)
         model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
                                   logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
         self.pad_token_id = _pad_token_id(model)
-        self.actor = Actor(model, group=group, device=device, optimizer=optimizer_settings(cfg),
+        self.actor = Actor(model, group=mesh.dp_group, device=device, optimizer=optimizer_settings(cfg),
                            max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
-        self.learner = Learner(cfg, self.actor, mesh=mesh, group=group, device=device)
+        self.learner = Learner(cfg, self.actor, mesh=mesh, device=device)
         self.micro_batch_layout = (choose_layout(self.actor, self.pad_token_id, plan.forward_dtype) if cfg.train.packing
                        else "padded")  # molt.batch.LAYOUTS
-        self.refit = RefitSender(model, is_sender=self.is_controller,
-                                 bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
-                                 timeout_seconds=cfg.refit.timeout_seconds, engine_dtype=cfg.model.dtype)
+        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device_type=device.type)  # molt.weight_sync
         # Experiences arrive as light records; each rank fetches its own share's token-axis fields
         # from the payload store of the rollout rank that produced them (DESIGN section 7).
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
@@ -100,6 +102,7 @@ class Trainer:
                     max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
                     pad_token_id=self.pad_token_id, layout=self.micro_batch_layout)
                 train_metrics = self.learner.train_step(windows, info)
+                self.release_payloads()
             self.count_nonfinite(step, train_metrics)
             if train_metrics["updated"]:
                 with self.timer.stage("refit"):
@@ -188,19 +191,21 @@ class Trainer:
             return
         self.controller.wait_for_ranks(self.num_trainer_ranks)
         self.open_refit_group()
-        logger.info("engines ready; refit group of %d ranks, %d buckets", 1 + len(self.rollout_ranks),
+        logger.info("engines ready; %s refit group of %d ranks, %d buckets", self.refit.backend,
+                    refit_world_size(len(self.rollout_ranks), self.cfg.layout.engine_tensor_parallel_size),
                     len(self.refit.buckets))
 
     def open_refit_group(self) -> None:
-        """Controller only: a fresh refit group with every engine's worker (at start, and after a failed refit)."""
+        """Controller only: a fresh refit group with every worker of every engine (at start, and after a
+        failed refit). Each engine's join message carries its first refit rank; its tensor-parallel
+        workers take that rank and the next ones (molt.weight_sync)."""
         self.refit.close_group()
-        port = find_free_port(self.host)
-        world_size = 1 + len(self.rollout_ranks)  # one worker per engine (tensor parallel 1)
-        for offset, rank in enumerate(self.rollout_ranks):
-            group = {"host": self.host, "port": port, "rank": 1 + offset, "world_size": world_size,
-                     "timeout_seconds": self.cfg.refit.timeout_seconds, "plan": self.refit.wire_plan}
-            self.router.send(f"rollout-{rank}", {"type": "join_refit", "group": group})
-        self.refit.open_group(self.host, port, world_size)
+        tensor_parallel = self.cfg.layout.engine_tensor_parallel_size
+        group = self.refit.group_message(self.host, refit_world_size(len(self.rollout_ranks), tensor_parallel))
+        for index, rank in enumerate(self.rollout_ranks):
+            self.router.send(f"rollout-{rank}", {"type": "join_refit",
+                                                 "group": {**group, "rank": engine_first_rank(index, tensor_parallel)}})
+        self.refit.connect()
         self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
 
     def shutdown(self) -> None:
@@ -221,14 +226,26 @@ class Trainer:
         return experiences, BatchInfo(**message["info"]), message["micro_batch_counts"], {}
 
     def reload(self, experiences: list[Experience]) -> list[Experience]:
-        """Full experiences from light records (each payload freed at its store once here)."""
-        return [reload_record(self.payloads, e) if e.payload is not None else e for e in experiences]
+        """Full experiences from light records. Each payload is freed at its store once here, or with
+        tensor parallelism, where every rank of a tensor-parallel group reloads the same share, by the
+        group's first rank after the step's training (`release_payloads`): its collectives have then
+        made sure the others hold their copies."""
+        consume = self.tp_size == 1
+        if not consume and self.tp_rank == 0:
+            self.unreleased_payloads += [PayloadRef.from_dict(e.payload) for e in experiences if e.payload is not None]
+        return [reload_record(self.payloads, e, consume=consume) if e.payload is not None else e for e in experiences]
+
+    def release_payloads(self) -> None:
+        for ref in self.unreleased_payloads:
+            self.payloads.release(ref)
+        self.unreleased_payloads = []
 
     def assemble_batch(self, rollouts: StepRollouts):
-        """A balanced share of the step's experiences per trainer rank, plus what every rank needs
-        to compute advantages over the whole batch (each rollout counted once)."""
+        """A balanced share of the step's experiences per data-parallel rank (the ranks of one
+        tensor-parallel group get the same share), plus what every rank needs to compute advantages
+        over the whole batch (each rollout counted once)."""
         experiences = [e for group in rollouts.groups for e in group]
-        shares = assign_to_ranks(experiences, self.num_trainer_ranks)
+        shares = assign_to_ranks(experiences, self.dp_size)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences])
         counts = [count_window_micro_batches([experiences[i] for i in share],
@@ -237,9 +254,10 @@ class Trainer:
                                              layout=self.micro_batch_layout) for share in shares]
         micro_batch_counts = [max(1, *column) for column in zip(*counts)]  # per window, the busiest rank's
         for rank in range(1, self.num_trainer_ranks):
+            share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
             self.router.send(f"trainer-{rank}", {
-                "type": "batch", "experiences": [experiences[i].to_dict() for i in shares[rank]],
-                "info": BatchInfo(**batch, own=shares[rank]).to_dict(), "micro_batch_counts": micro_batch_counts})
+                "type": "batch", "experiences": [experiences[i].to_dict() for i in share],
+                "info": BatchInfo(**batch, own=share).to_dict(), "micro_batch_counts": micro_batch_counts})
         if not experiences:
             logger.warning("no complete group this step (failures: %s); the step trains on nothing",
                            dict(rollouts.failures))
@@ -277,19 +295,24 @@ class Trainer:
                 self.open_refit_group()
 
     def attempt_refit(self, version: int, attempt: int) -> str | None:
-        """One refit attempt on every trainer rank; the controller returns what failed, if anything."""
+        """One refit attempt on every trainer rank; the controller returns what failed, if anything.
+
+        The engines pause first; the sender broadcasts only once every engine has said it is paused
+        and ready. Every trainer rank runs the FSDP2 gathers either way (`send=False` gathers only)."""
         deadline = time.monotonic() + self.cfg.refit.timeout_seconds
+        not_paused = None
         if self.is_controller:
             self.controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
+            not_paused = self.controller.await_paused(version, attempt, deadline)
         send_error = None
         started = time.perf_counter()
         try:
-            num_bytes = self.refit.broadcast()
+            num_bytes = self.refit.broadcast(send=not_paused is None)
         except RefitSendError as error:  # only the sender raises; the engines' replies say which one failed
             send_error, num_bytes = error, 0
         if not self.is_controller:
             return None
-        failure = self.controller.finish_refit(version, attempt, deadline, send_error)
+        failure = not_paused or self.controller.finish_refit(version, attempt, deadline, send_error)
         logger.debug("refit v%d: %.1f MB in %.2fs", version, num_bytes / 1e6, time.perf_counter() - started)
         return failure
 

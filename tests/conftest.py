@@ -38,6 +38,12 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tp_model_dir() -> Path:
+    """"tiny" with two KV heads, so tensor parallelism of 2 splits whole heads (built once, cached)."""
+    return build_cached_tiny_model(preset="tiny-tp")
+
+
+@pytest.fixture(scope="session")
 def demo_data_dir() -> Path:
     """The seed-0 addition task: train/eval as .jsonl and .parquet (cached outside git)."""
     return build_cached_demo_data()

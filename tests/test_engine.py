@@ -1,15 +1,17 @@
 """The rollout engine on the real vLLM CPU engine: per-token policy versions, weight swaps with
-requests in flight (partial rollout or not) or queued, and sampling seeds independent of batching."""
+requests in flight (partial rollout or not) or queued, a weight load failing part-way, sampling
+seeds independent of batching, and the CPU thread binding of tensor-parallel engines."""
 
 import asyncio
 import threading
+import time
 from collections import namedtuple
 
 import pytest
 import torch
 
 from molt.agents.base import SamplingParams
-from molt.engine import RolloutEngine, token_versions
+from molt.engine import RolloutEngine, cpu_thread_binding, token_versions
 from molt.refit import RefitSender, find_free_port
 
 Span = namedtuple("Span", "version start end")  # the shape of vLLM's WeightVersionSpan
@@ -36,6 +38,10 @@ class TrainerSide:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.original = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         self.sender = RefitSender(self.model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=120)
+        self.join(engine)
+
+    def join(self, engine) -> None:
+        """A fresh refit group with the engine's worker (again after a failed refit)."""
         port = find_free_port("127.0.0.1")
         joined = engine.submit(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                                               timeout_seconds=120, plan=self.sender.wire_plan))
@@ -246,6 +252,66 @@ def test_requests_queued_in_the_scheduler_when_the_pause_lands_finish_wholly_on_
         else:  # 'wait': finished wholly on the old weights during the pause
             assert held[i] == len(tokens) and versions == [0] * len(tokens), i
     assert spanning >= 1 or not partial_rollout, "no running request was kept across the swap"
+
+
+def test_a_load_failing_part_way_leaves_the_engine_paused_until_a_refit_succeeds(engine, trainer_side):
+    # RELIABILITY 29: the weights are loaded as their buckets arrive, so a load that fails part-way
+    # leaves some layers new and the rest old. The engine then serves nothing (a request submitted
+    # meanwhile waits) until a refit succeeds; what it samples after is wholly the new version's.
+    rollout_engine = engine.engine
+    llm = rollout_engine.llm
+    prompt = _prompt(rollout_engine.tokenizer, "Count to one hundred.")
+    version = rollout_engine.policy_version
+    # The engine's plan names, in its second bucket, a weight the model lacks: vLLM's loader fails
+    # there, after the first bucket's weights went in (the embeddings: a layer now new).
+    sender = RefitSender(trainer_side.model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=5)
+    plan = sender.wire_plan
+    plan[1][0][0] = "model.layers.0.self_attn.no_such_proj.weight"
+    port = find_free_port("127.0.0.1")
+    joined = engine.submit(rollout_engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
+                                                           timeout_seconds=5, plan=plan))
+    sender.open_group("127.0.0.1", port, 2)
+    joined.result(60)
+    trainer_side.set_weights(noise_seed=4)
+    failing_sender = threading.Thread(target=lambda: _ignore_errors(sender.broadcast), daemon=True)
+    failing_sender.start()
+    progress = [0]
+    try:
+        with pytest.raises(Exception, match="no_such_proj"):
+            engine.run(rollout_engine.swap_weights(version + 1, partial_rollout=False))
+        assert engine.run(llm.is_paused()), "an engine holding a mix of weights must not resume"
+        assert engine.run(llm.collective_rpc("molt_weights_intact")) == [False]
+        waiting = engine.submit(_collect(rollout_engine, prompt, 500, progress, 0, max_tokens=16))
+        time.sleep(1.0)
+        assert progress == [0] and not waiting.done()  # paused: nothing sampled, nothing lost
+        failing_sender.join(30)
+        trainer_side.join(engine)  # as the trainer does after a failed attempt: a fresh group, then a retry
+        go = threading.Event()
+        go.set()
+        retry = trainer_side.broadcast_when(go)
+        engine.run(rollout_engine.swap_weights(version + 1, partial_rollout=False))
+        retry.join(120)
+        result = waiting.result(120)
+        assert not engine.run(llm.is_paused())
+        assert engine.run(llm.collective_rpc("molt_weights_intact")) == [True]
+    finally:
+        _restore(engine, trainer_side)
+    assert result["finish"] in ("stop", "length") and result["versions"] == [version + 1] * len(result["tokens"])
+
+
+def _ignore_errors(function) -> None:
+    try:
+        function()
+    except Exception:
+        pass
+
+
+def test_cpu_thread_binding_splits_this_process_cores_across_the_workers():
+    assert cpu_thread_binding([0, 1], 2) == "0|1"
+    assert cpu_thread_binding([2, 3, 4, 5, 6], 2) == "2,3,4|5,6"
+    assert cpu_thread_binding(list(range(8)), 4) == "0,1|2,3|4,5|6,7"
+    assert cpu_thread_binding(list(range(8)), 2, threads_per_worker=2) == "0,1|4,5"  # rollout.engine_threads
+    assert cpu_thread_binding([3], 2) == "3|3"  # fewer cores than workers: they share
 
 
 def test_derived_seeds_make_samples_independent_of_batching(engine):

@@ -1,4 +1,5 @@
-"""Refit: the bucket plan, and weights broadcast from 2 FSDP2 trainer ranks into a real vLLM engine."""
+"""Refit over gloo: the bucket plan, and weights broadcast from 2 FSDP2 trainer ranks into a real
+vLLM engine, received into one bucket-sized buffer and loaded as they arrive."""
 
 import threading
 
@@ -6,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from molt.refit import BucketEntry, RefitSender, find_free_port, plan_buckets
+from molt.refit import RefitSender, find_free_port
+from molt.weight_sync import BucketEntry, plan_buckets
 
 NUM_REFITS = 3
 PROBE = list(range(3, 45))
@@ -37,13 +39,10 @@ def test_plan_is_O_buckets_for_a_real_model(tiny_model_dir):
 
 
 def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_refits: int):
-    from torch.distributed.device_mesh import DeviceMesh
-
     from molt.actor import build_actor_model, compute_token_logprobs
-    from molt.parallelize import ShardingPlan
+    from molt.parallelize import ShardingPlan, TrainerMesh
 
-    group = dist.group.WORLD
-    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
     model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
     shards = list(model.parameters())
     sender = RefitSender(model, is_sender=rank == 0, bucket_bytes=256 << 10, timeout_seconds=60)
@@ -65,6 +64,9 @@ def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_ref
 
 
 def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_model_dir):
+    """Several buckets, layers straddling bucket boundaries (the attention's q and k in one bucket,
+    its v in the next), one receive buffer reused by all: the weights vLLM held on to across a
+    boundary were copied out of the buffer before it was overwritten, or the engine would not match."""
     port = find_free_port("127.0.0.1")
     from transformers import AutoModelForCausalLM
 
@@ -84,10 +86,11 @@ def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_
     thread.start()
     engine.run(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                               timeout_seconds=60, plan=plan), timeout_seconds=240)
-    engine_probes = []
+    engine_probes, stats = [], []
     for version in range(1, NUM_REFITS + 1):
         engine.run(engine.engine.receive_weights(version), timeout_seconds=120)
         engine_probes.append(engine.run(engine.engine.score(PROBE)))
+        stats += engine.run(engine.engine.llm.collective_rpc("molt_receive_stats"))
     thread.join(240)
     if "error" in results:
         raise results["error"]
@@ -99,6 +102,14 @@ def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_
     for engine_logprobs, trainer_logprobs in zip(engine_probes, trainer_probes):
         gap = max(abs(a - b) for a, b in zip(engine_logprobs[1:], trainer_logprobs[1:]))
         assert gap <= 1e-4
+    # Receive memory: one buffer the size of the largest bucket, plus what vLLM held on to across a
+    # boundary, which is less than one decoder layer.
+    largest_bucket = max(sum(BucketEntry(n, d, tuple(s)).num_bytes for n, d, s in bucket) for bucket in plan)
+    model_bytes = sum(p.numel() * p.element_size() for p in plan_model.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for p in plan_model.model.layers[0].parameters())
+    for stat in stats:
+        assert stat["buffer_bytes"] == largest_bucket < model_bytes / 4
+        assert stat["detached_bytes"] > 0 and 0 < stat["held_bytes_max"] < layer_bytes
     _restore_engine_weights(engine, tiny_model_dir, plan)
 
 
@@ -125,16 +136,20 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
 
     from molt.refit_receiver import RefitReceiver
 
+    class StandaloneReceiver(RefitReceiver):  # outside vLLM: no tensor-parallel state to ask
+        def molt_tensor_parallel_rank(self) -> int:
+            return 0
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=30, engine_dtype="bfloat16")
     assert {entry[1] for bucket in sender.wire_plan for entry in bucket} == {"bfloat16"}
     port = find_free_port("127.0.0.1")
-    receiver, received = RefitReceiver(), {}
+    receiver, received = StandaloneReceiver(), {}
 
     def receive():
         receiver.molt_join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_seconds=30,
                                        plan=sender.wire_plan)
-        received.update({name: tensor.clone() for name, tensor in receiver.molt_receive_buckets()})
+        received.update({name: tensor.clone() for name, tensor in receiver.molt_stream_weights()})
 
     thread = threading.Thread(target=receive)
     thread.start()
@@ -147,3 +162,5 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
     for name, parameter in parameters.items():
         assert received[name].dtype == torch.bfloat16
         assert torch.equal(received[name], parameter.detach().to(torch.bfloat16)), name
+    largest = max(sum(e.num_bytes for e in bucket) for bucket in sender.buckets)
+    assert receiver.molt_receive_stats()["buffer_bytes"] == largest < sent  # one bucket's buffer, not the model's

@@ -37,6 +37,15 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=1,
         intermediate_size=384,
     ),
+    # "tiny" with two KV heads, so tensor parallelism of 2 (trainer or engine) splits whole heads.
+    "tiny-tp": dict(
+        architecture="Qwen3ForCausalLM",
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=384,
+    ),
     # Large enough (about 220 MB of fp32 weights) for weight-transfer and refit benchmarks.
     "bench": dict(
         architecture="Qwen3ForCausalLM",

@@ -60,8 +60,8 @@ def offload_record(store: PayloadStore, experience: Experience) -> Experience:
     return light
 
 
-def reload_record(client: PayloadClient, light: Experience) -> Experience:
-    """The full experience of a light record (frees its payload at the owner once it is here)."""
-    full, _ = restore_experience(light, client.reload(PayloadRef.from_dict(light.payload)))
+def reload_record(client: PayloadClient, light: Experience, *, consume: bool = True) -> Experience:
+    """The full experience of a light record (`consume`: frees its payload at the owner once it is here)."""
+    full, _ = restore_experience(light, client.reload(PayloadRef.from_dict(light.payload), consume=consume))
     full.payload = full.summary = None
     return full

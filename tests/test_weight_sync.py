@@ -1,0 +1,314 @@
+"""Weight sync (molt.weight_sync): the parts of both backends that run on a CPU. The NCCL calls
+themselves need a GPU and vLLM's CUDA build; here the NCCL backend's messages are checked against
+vLLM's own init and update dataclasses, its bucket geometry against vLLM's packed producer and
+consumer over a loopback stand-in for the communicator, and its watchdog against a stand-in
+broadcast that hangs until aborted."""
+
+import base64
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from molt.config import ConfigError, MoltConfig
+from molt.controller import RolloutController
+from molt.refit import GlooEngineSync, RefitSender
+from molt.weight_sync import (RefitSendError, Watchdog, build_engine_sync, build_sender, engine_first_rank,
+                              refit_world_size, resolve_backend)
+from molt.weight_sync_nccl import (NcclEngineSync, NcclSender, PACKED_NUM_BUFFERS, bucket_update_infos,
+                                   worker_init_info)
+from molt.wire import Router, connect_dealer, pack, unpack
+
+
+def _model(model_path: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+
+
+def _nccl_sender(model, monkeypatch, **kwargs) -> NcclSender:
+    unique_id = base64.b64encode(os.urandom(128)).decode()  # ncclGetUniqueId needs the NCCL library
+    monkeypatch.setattr("molt.weight_sync_nccl.mint_unique_id", lambda: unique_id)
+    return NcclSender(model, is_sender=True, **{"bucket_bytes": 64 << 10, "timeout_seconds": 30, **kwargs})
+
+
+# -- backend choice and ranks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, device_type, expected", [
+    ("auto", "cpu", "gloo"), ("auto", "cuda", "nccl"), ("gloo", "cuda", "gloo"), ("nccl", "cuda", "nccl")])
+def test_backend_auto_is_nccl_only_for_a_cuda_trainer(backend, device_type, expected):
+    assert resolve_backend(backend, device_type) == expected
+
+
+@pytest.mark.parametrize("backend, match", [("nccl", "refit.backend='nccl' but the trainer computes on cpu"),
+                                            ("mpi", "refit.backend='mpi': use auto, gloo or nccl")])
+def test_a_backend_that_cannot_run_is_a_config_error_naming_the_field(backend, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_backend(backend, "cpu")
+
+
+def test_a_cpu_run_builds_the_gloo_halves(model_path):
+    cfg = MoltConfig()
+    sender = build_sender(cfg, _model(model_path), is_sender=True, device_type="cpu")
+    assert type(sender) is RefitSender and sender.backend == "gloo"
+    assert type(build_engine_sync("gloo")) is GlooEngineSync and type(build_engine_sync("nccl")) is NcclEngineSync
+
+
+@pytest.mark.parametrize("num_engines, tensor_parallel", [(1, 1), (3, 1), (1, 2), (3, 2), (2, 4)])
+def test_every_worker_of_every_engine_has_its_own_refit_rank(num_engines, tensor_parallel, monkeypatch):
+    """Molt's gloo workers take first rank + tensor-parallel rank; vLLM's NCCL workers take rank offset
+    + their rank inside the engine (nccl_common.worker_init_process_group, run here with the
+    communicator stubbed out). Both give ranks 1 .. world - 1, each once, engine after engine."""
+    from vllm.distributed.weight_transfer import nccl_common
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    world_size = refit_world_size(num_engines, tensor_parallel)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(nccl_common, "uid_init_process_group", lambda uid, rank, world, device: rank)
+    group = {"nccl_unique_id_b64": base64.b64encode(os.urandom(128)).decode(), "world_size": world_size,
+             "packed_buffer_size_bytes": 1 << 20, "packed_num_buffers": 2}
+    gloo_ranks, nccl_ranks = [], []
+    for engine in range(num_engines):
+        first = engine_first_rank(engine, tensor_parallel)
+        info = NCCLWeightTransferInitInfo(**worker_init_info({**group, "rank": first}))
+        for tp_rank in range(tensor_parallel):
+            gloo_ranks.append(first + tp_rank)
+            parallel = SimpleNamespace(data_parallel_index=0, world_size=tensor_parallel, rank=tp_rank)
+            nccl_ranks.append(nccl_common.worker_init_process_group(info, parallel))
+    assert gloo_ranks == nccl_ranks == list(range(1, world_size))
+
+
+# -- the NCCL messages ---------------------------------------------------------------------------
+
+
+def test_the_nccl_join_message_is_msgpack_and_is_what_vllm_workers_accept(model_path, monkeypatch):
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    sender = _nccl_sender(_model(model_path), monkeypatch, bucket_bytes=3 << 20)
+    group = sender.group_message("127.0.0.1", world_size=5)
+    message = {"type": "join_refit", "group": {**group, "rank": engine_first_rank(1, 2)}}
+    received = unpack(pack(message))  # Molt's wire: msgpack, no pickle
+    assert received == message
+    joined = received["group"]
+    assert joined["backend"] == "nccl" and joined["plan"] == sender.wire_plan
+    info = NCCLWeightTransferInitInfo(**worker_init_info(joined))  # vLLM validates the unique id's size
+    assert info.nccl_unique_id_bytes == base64.b64decode(group["nccl_unique_id_b64"])
+    assert (info.master_address, info.master_port) == (None, None)  # never vLLM's pickling TCPStore rendezvous
+    assert (info.rank_offset, info.world_size) == (3, 5)
+    assert (info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers) == (True, 3 << 20, PACKED_NUM_BUFFERS)
+
+
+def test_one_update_info_per_bucket_in_the_engine_dtype(model_path, monkeypatch):
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    model = _model(model_path)
+    sender = _nccl_sender(model, monkeypatch, bucket_bytes=16 << 10, engine_dtype="bfloat16")
+    infos = unpack(pack({"type": "x", "infos": bucket_update_infos(sender.wire_plan)}))["infos"]
+    assert len(infos) == len(sender.buckets) > 1
+    for info, bucket in zip(infos, sender.buckets):
+        NCCLWeightTransferUpdateInfo(**info)  # the lists agree in length
+        assert info == {"names": [e.name for e in bucket], "dtype_names": ["bfloat16"] * len(bucket),
+                        "shapes": [list(e.shape) for e in bucket]}
+    assert [name for info in infos for name in info["names"]] == [name for name, _ in model.named_parameters()]
+
+
+class LoopbackCommunicator:
+    """Stands in for vLLM's PyNcclCommunicator: the trainer's broadcasts are kept, and the workers'
+    broadcasts take them in order, failing if a receive buffer's size differs from what was sent."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+        self.disabled = False
+        self.receiving = False  # False: the trainer's side, True: the workers'
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        if self.disabled:
+            return
+        if self.receiving:
+            chunk = self.sent.pop(0)
+            assert chunk.numel() == tensor.numel(), "the two sides cut the stream differently"
+            tensor.copy_(chunk)
+        else:
+            self.sent.append(tensor.clone())
+
+
+def _cpu_packed_tensor(monkeypatch) -> None:
+    """vLLM's packed producer and consumer, on CPU: CUDA streams replaced by no-ops."""
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    stream = SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(packed_tensor, "_get_streams", lambda device, count: (stream,) * count)
+
+
+def test_each_bucket_is_one_packed_broadcast_the_workers_consumer_cuts_alike(model_path, monkeypatch):
+    """The trainer's sends go through vLLM's packed producer and the workers' receives through its
+    packed consumer (as NCCLWeightTransferEngine runs it), fed Molt's update infos: with the buffer
+    size from refit.bucket_megabytes, one bucket is one broadcast of the bucket's bytes, and every
+    weight arrives in the engine dtype, equal to the trainer's weight cast to it."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+    _cpu_packed_tensor(monkeypatch)
+    model = _model(model_path)
+    bucket_bytes = 16 << 10
+    sender = _nccl_sender(model, monkeypatch, bucket_bytes=bucket_bytes, engine_dtype="bfloat16")
+    sender.communicator = LoopbackCommunicator()
+    sent = sender.broadcast()
+    chunks = sender.communicator.sent
+    assert [c.numel() for c in chunks] == [sum(e.num_bytes for e in b) for b in sender.buckets]
+    assert sent == sum(c.numel() for c in chunks) == sum(p.numel() * 2 for p in model.parameters())
+    assert max(c.numel() for c in chunks) <= max(bucket_bytes, max(p.numel() * 2 for p in model.parameters()))
+
+    received = {}
+    sender.communicator.receiving = True
+    for info in bucket_update_infos(sender.wire_plan):
+        metadata = ((name, (shape, getattr(torch, dtype)))
+                    for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"]))
+        packed_nccl_broadcast_consumer(
+            iterator=metadata, group=sender.communicator, src=0,
+            post_unpack_func=lambda weights: received.update((n, t.clone()) for n, t in weights),
+            buffer_size_bytes=bucket_bytes, num_buffers=PACKED_NUM_BUFFERS, device="cpu")
+    assert not sender.communicator.sent  # every broadcast was consumed
+    for name, parameter in model.named_parameters():
+        assert received[name].dtype == torch.bfloat16
+        assert torch.equal(received[name], parameter.detach().to(torch.bfloat16)), name
+
+
+# -- the watchdog --------------------------------------------------------------------------------
+
+
+def test_the_watchdog_aborts_a_hung_step_after_its_timeout_and_not_before():
+    hung = threading.Event()  # a broadcast that waits for a peer that never comes; abort releases it
+    started = time.monotonic()
+    with Watchdog(0.5, hung.set, "stand-in broadcast") as watchdog:
+        assert hung.wait(10)
+    assert watchdog.fired and 0.5 <= time.monotonic() - started < 5
+    aborted = threading.Event()
+    with Watchdog(0.5, aborted.set, "quick step") as quick:
+        pass
+    time.sleep(0.8)
+    assert not quick.fired and not aborted.is_set()
+
+
+class HungCommunicator:
+    """A broadcast that never completes (a dead engine worker) until the communicator is destroyed,
+    which is what vLLM's destroy (ncclCommAbort) does to a blocked NCCL broadcast. Injects that
+    failure only; after it, broadcasts do nothing, as on a destroyed PyNcclCommunicator."""
+
+    def __init__(self):
+        self.aborted = threading.Event()
+        self.disabled = False
+        self.num_broadcasts = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        if self.disabled:
+            return
+        self.num_broadcasts += 1
+        self.aborted.wait()
+
+    def destroy(self) -> None:
+        self.disabled = True
+        self.aborted.set()
+
+
+def _two_trainer_ranks_one_engine_gone(rank: int, world_size: int, model_dir: str) -> dict:
+    """Two FSDP2 ranks. First a refit nobody is paused for (gloo, `send=False`: the sender has no
+    group at all, so a send would fail), then an NCCL refit into a communicator that hangs: the
+    watchdog aborts it, the sender raises, and both ranks ran every gather."""
+    import molt.weight_sync_nccl as nccl
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    from molt.actor import build_actor_model
+    from molt.parallelize import ShardingPlan, TrainerMesh
+
+    torch.accelerator.current_device_index = lambda: 0
+    stream = SimpleNamespace(synchronize=lambda: None)
+    packed_tensor._get_streams = lambda device, count: (stream,) * count
+    nccl.mint_unique_id = lambda: base64.b64encode(bytes(128)).decode()
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
+    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
+    gathers = []
+    original = torch.distributed.tensor.DTensor.full_tensor
+
+    def counted_full_tensor(self, *args, **kwargs):
+        gathers.append(1)
+        return original(self, *args, **kwargs)
+
+    torch.distributed.tensor.DTensor.full_tensor = counted_full_tensor
+    kwargs = dict(is_sender=rank == 0, bucket_bytes=64 << 10, timeout_seconds=1.5)
+    gloo = RefitSender(model, **kwargs)
+    result = {"unsent": gloo.broadcast(send=False), "gloo_gathers": len(gathers)}
+    sender = NcclSender(model, **kwargs)
+    sender.communicator = HungCommunicator() if rank == 0 else None
+    started = time.monotonic()
+    try:
+        sender.broadcast()
+        result["error"] = None
+    except RefitSendError as error:
+        result["error"] = str(error)
+    result.update(seconds=time.monotonic() - started, nccl_gathers=len(gathers) - result["gloo_gathers"],
+                  num_params=len(list(model.parameters())), num_buckets=len(sender.buckets),
+                  num_broadcasts=sender.communicator.num_broadcasts if rank == 0 else 0)
+    dist.barrier()  # both ranks got here: neither waits in a gather
+    return result
+
+
+def test_a_refit_the_engines_are_not_ready_for_still_gathers_and_a_hung_nccl_send_is_aborted(tiny_model_dir):
+    results = run_ranks(_two_trainer_ranks_one_engine_gone, 2, str(tiny_model_dir), timeout_seconds=180)
+    for result in results:
+        assert result["unsent"] == 0 and result["gloo_gathers"] == result["num_params"]
+        assert result["nccl_gathers"] == result["num_params"]  # every gather, after the abort too
+    sender, other = results
+    assert sender["num_buckets"] > 1 and sender["num_broadcasts"] == 1  # later buckets were not sent
+    assert "no progress within refit.timeout_seconds=1.5; the NCCL communicator was aborted" in sender["error"]
+    assert sender["error"].startswith("nccl broadcast failed after 0 bytes")
+    assert 1.5 <= sender["seconds"] < 30 and other["error"] is None
+
+
+# -- the controller: the engines acknowledge the pause before anything is sent -------------------
+
+
+def _rollout_rank_replying(address: str, identity: str, replies: list[dict]) -> None:
+    socket = connect_dealer(address, identity)
+    socket.send(pack({"type": "ready", "rank": int(identity.split("-")[1])}))
+    for reply in replies:
+        socket.send(pack(reply))
+    time.sleep(3)
+    socket.close(0)
+
+
+def test_the_controller_names_each_engine_that_did_not_acknowledge_the_pause_in_time(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = MoltConfig()
+    cfg.data.train_path, cfg.rollout.prompts_per_step = str(tmp_path / "train.jsonl"), 1
+    cfg.refit.timeout_seconds = 1.0
+    router = Router("127.0.0.1")
+    replies = {1: [{"type": "refit_paused", "rank": 1, "version": 4, "attempt": 1, "error": None},  # a stale one
+                   {"type": "refit_paused", "rank": 1, "version": 5, "attempt": 2, "error": None}],
+               2: [],  # never acknowledges
+               3: [{"type": "refit_paused", "rank": 3, "version": 5, "attempt": 2, "error": "RuntimeError: boom"}]}
+    ranks = [threading.Thread(target=_rollout_rank_replying, args=(router.address, f"rollout-{rank}", replies[rank]),
+                              daemon=True) for rank in replies]
+    for thread in ranks:
+        thread.start()
+    controller = RolloutController(cfg, router, rollout_ranks=list(replies))
+    try:
+        controller.expect("ready", 3, 30, "start")
+        started = time.monotonic()
+        failure = controller.await_paused(5, 2, time.monotonic() + cfg.refit.timeout_seconds)
+        waited = time.monotonic() - started
+        all_paused = controller.await_paused(5, 2, time.monotonic() + 0.1)  # replies already taken: none left
+    finally:
+        controller.shutdown()
+        router.close()
+    assert failure == ("refit v5 (attempt 2): the engine of rollout rank 2 did not acknowledge the pause within "
+                       "refit.timeout_seconds=1; the engine of rollout rank 3 failed: RuntimeError: boom; "
+                       "nothing was broadcast")
+    assert 1.0 <= waited < 5
+    assert "rank 1" in all_paused  # each acknowledgement counts once
