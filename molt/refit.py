@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ class RefitSender(WeightSender):
         super().__init__(model, **kwargs)
         self.group: dist.ProcessGroup | None = None
         self._rendezvous: tuple[str, int, int] | None = None  # host, port, world size of the next group
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}  # dtype -> two flat buffers (see _flat_buffer)
 
     def group_message(self, host: str, world_size: int) -> dict:
         port = find_free_port(host)
@@ -70,7 +71,9 @@ class RefitSender(WeightSender):
     def close_group(self) -> None:
         self.group = None
 
-    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> None:
+    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> Callable[[], None]:
+        """Copy the bucket into a flat buffer (casting to the engine dtype) and start its broadcast;
+        gloo runs it on its own thread while the caller gathers the next bucket. Returns its wait."""
         flat = self._flat_buffer(bucket)
         offset = 0
         for tensor in tensors:
@@ -79,22 +82,32 @@ class RefitSender(WeightSender):
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
-            self.group.broadcast([flat], options).wait()
-        except RuntimeError as error:  # gloo: the group's timeout, or a closed connection
+            work = self.group.broadcast([flat], options)
+        except RuntimeError as error:  # gloo: a closed connection
             raise RefitSendError(str(error)) from error
 
+        def wait() -> None:
+            try:
+                work.wait()
+            except RuntimeError as error:  # gloo: the group's timeout, or a closed connection
+                raise RefitSendError(str(error)) from error
+
+        return wait
+
     def _flat_buffer(self, bucket: list[BucketEntry]) -> torch.Tensor:
-        """A view of one reused buffer per dtype: fresh multi-MB buffers every refit would run
-        at first-touch memory speed (the allocator returns large blocks to the OS)."""
+        """A view of one of two reused buffers per dtype, taken in turn: the bucket being filled
+        never shares memory with the one still on the wire. Reused because fresh multi-MB buffers
+        every refit would run at first-touch memory speed (the allocator returns large blocks to the OS)."""
         dtype = bucket[0].dtype
         numel = sum(e.num_bytes for e in bucket) // getattr(torch, dtype).itemsize
-        buffer = self._buffers.get(dtype)
-        if buffer is None:
+        buffers = self._buffers.get(dtype)
+        if buffers is None:
             largest = max(sum(e.num_bytes for e in b) for b in self.buckets if b[0].dtype == dtype)
             device = next(iter(self._params.values())).device
-            buffer = self._buffers[dtype] = torch.empty(largest // getattr(torch, dtype).itemsize,
-                                                        dtype=getattr(torch, dtype), device=device)
-        return buffer[:numel]
+            buffers = self._buffers[dtype] = [torch.empty(largest // getattr(torch, dtype).itemsize,
+                                                          dtype=getattr(torch, dtype), device=device) for _ in range(2)]
+        buffers.reverse()  # the other one than last time
+        return buffers[0][:numel]
 
 
 class GlooEngineSync(EngineWeightSync):

@@ -186,9 +186,11 @@ class WeightSender(ABC):
         """Sender: drop the group (a later `group_message` + `connect` builds a new one)."""
 
     @abstractmethod
-    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> None:
-        """Sender: deliver one bucket (full tensors in their stored dtype; each goes on the wire cast to its
-        entry's dtype); RefitSendError on failure."""
+    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> Callable[[], None] | None:
+        """Sender: start delivering one bucket (full tensors in their stored dtype; each goes on the wire
+        cast to its entry's dtype). Returns None when it is delivered, or a function that waits for a
+        send still in flight, so the next bucket's gathers overlap it (the caller waits before the
+        bucket after that starts). RefitSendError on failure, from either."""
 
     def broadcast(self, *, send: bool = True) -> int:
         """Gather every bucket from the shards (all trainer ranks) and deliver it (the sender, when
@@ -201,17 +203,37 @@ class WeightSender(ABC):
             return self._broadcast_buckets(send and self.is_sender)
 
     def _broadcast_buckets(self, send: bool) -> int:
-        sent, error = 0, None
+        """Bucket i + 1 is gathered while bucket i is on the wire: at most one send in flight."""
+        sent, error, in_flight = 0, None, None  # in_flight: (wait, bytes) of the bucket being sent
+
+        def finish_in_flight() -> None:
+            nonlocal sent, error, in_flight
+            if in_flight is None:
+                return
+            wait, num_bytes = in_flight
+            in_flight = None
+            try:
+                wait()
+                sent += num_bytes
+            except RefitSendError as failure:
+                error = failure
+
         for bucket in self.buckets:
             tensors = [_full_tensor(self._params[entry.name]) for entry in bucket]
+            finish_in_flight()
             if not send or error is not None:
                 continue
+            num_bytes = sum(entry.num_bytes for entry in bucket)
             try:
-                self.send_bucket(bucket, tensors)
+                wait = self.send_bucket(bucket, tensors)
             except RefitSendError as failure:
                 error = failure
                 continue
-            sent += sum(entry.num_bytes for entry in bucket)
+            if wait is None:
+                sent += num_bytes
+            else:
+                in_flight = (wait, num_bytes)
+        finish_in_flight()
         if error is not None:
             raise RefitSendError(f"{self.backend} broadcast failed after {sent} bytes: {error}") from error
         return sent
