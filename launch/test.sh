@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set up (idempotently) and run the whole test suite. Extra arguments go to pytest.
+# Set up (idempotently) and run the whole test suite (--unit: the fast tier). Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh"
 cd "$ROOT"
 set +e
-"$PYTHON" -m pytest tests -m "not gpu" "$@"
+# --unit: the fast tier, without the tests that start vLLM engines or torchrun jobs (marked e2e).
+MARKERS="not gpu"
+if [ "${1:-}" = "--unit" ]; then
+  MARKERS="not gpu and not e2e"
+  shift
+fi
+"$PYTHON" -m pytest tests -m "$MARKERS" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

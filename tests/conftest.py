@@ -11,6 +11,7 @@ from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # n
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (deselected on CPU by launch/test.sh)")
+    config.addinivalue_line("markers", "e2e: starts vLLM engines or torchrun jobs (launch/test.sh --unit leaves them out)")
 
 
 @pytest.fixture(scope="session")

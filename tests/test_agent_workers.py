@@ -20,6 +20,8 @@ from molt.agent_pool import AgentWorkerPool
 from molt.config import MoltConfig
 from test_payloads import Exploit
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 ROOT = Path(__file__).resolve().parents[1]
 FAULTS_AGENT = str(Path(__file__).parent / "agents" / "worker_faults.py")
 TOOL_AGENT = str(ROOT / "configs" / "agents" / "addition_tool_openai.py")

@@ -14,6 +14,8 @@ from test_train_e2e import DEMO, ROOT, _job_sets, _kill_tree, _torchrun
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")  # rewards vary: losses are not 0
 # 8 prompts, 4 a step: the checkpoint after step 2 ends epoch 0 exactly (RELIABILITY 13), and the
 # resumed steps 3-4 run epoch 1.

@@ -14,6 +14,8 @@ from molt.agents.base import SamplingParams
 from molt.engine import RolloutEngine, cpu_thread_binding, token_versions
 from molt.refit import RefitSender, find_free_port
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 Span = namedtuple("Span", "version start end")  # the shape of vLLM's WeightVersionSpan
 
 

@@ -5,6 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import EngineThread
@@ -14,6 +15,8 @@ from molt.actor import Actor, build_actor_model, compute_token_logprobs
 from molt.optimizer import OptimizerSettings
 from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 
 PROBE = list(range(3, 45))
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "export_hf.py"

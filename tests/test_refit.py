@@ -3,12 +3,15 @@ vLLM engine, received into one bucket-sized buffer and loaded as they arrive."""
 
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
 from molt.refit import RefitSender, find_free_port
 from molt.weight_sync import BucketEntry, plan_buckets
+
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 
 NUM_REFITS = 3
 PROBE = list(range(3, 45))

@@ -19,6 +19,8 @@ from molt.config import load_config
 from molt.placement import claim_gpus, find_placement_problems, format_tasks_per_node, place_ranks
 from molt.train import expand_hostlist, expand_tasks_per_node, job_host, map_slurm_environment
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
 QWEN3 = str(ROOT / "configs" / "qwen3_30b_a3b_math_tool.py")

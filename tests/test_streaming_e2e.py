@@ -6,7 +6,10 @@ import math
 import os
 from pathlib import Path
 
+import pytest
 from test_train_e2e import DEMO, _job_sets, _torchrun
+
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
 SLOW_AGENT = str(Path(__file__).parent / "agents" / "slow_two_turn.py")

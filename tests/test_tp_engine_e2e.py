@@ -9,6 +9,8 @@ import pytest
 
 from test_train_e2e import DEMO, FLAKY_RECEIVER_ENV, VARIED_AGENT, _job_sets, _torchrun
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 
 def test_tensor_parallel_trainer_and_engine_train_and_serve_the_trainers_weights(
         tmp_path, tiny_tp_model_dir, demo_data_dir):

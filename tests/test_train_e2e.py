@@ -14,6 +14,8 @@ import pytest
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
+pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
 FLAKY_AGENT = str(Path(__file__).parent / "agents" / "flaky_first_attempt.py")
