@@ -65,17 +65,6 @@ class LayoutConfig:
     """Memory of one GPU in GiB, for --dry-run's check that each trainer rank's shards and each
     engine's weights fit (0 = skip the check)."""
 
-    @property
-    def trainer_data_parallel_shard(self) -> int:
-        """FSDP2 shards per replica: the trainer ranks left after replicate, context and tensor parallel."""
-        return self.num_trainer_ranks // max(1, self.trainer_data_parallel_replicate * self.trainer_tensor_parallel_size
-                                             * self.trainer_context_parallel_size)
-
-    @property
-    def trainer_data_parallel_size(self) -> int:
-        """Trainer ranks that train on different experiences: dp_replicate x dp_shard."""
-        return self.trainer_data_parallel_replicate * self.trainer_data_parallel_shard
-
 
 @dataclass(kw_only=True)
 class DataConfig:

@@ -143,7 +143,9 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         except ValueError as error:  # a layout the model cannot take (its message names the field)
             raise ConfigError(str(error)) from error
         shards = [p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()]
-        mesh_text = repr(mesh.mesh)
+        replicate = layout.trainer_data_parallel_replicate
+        mesh_text = (f"{mesh.mesh!r}: dp_replicate {replicate} x dp_shard {mesh.dp_size // replicate} x tp "
+                     f"{mesh.tp_size}, {mesh.dp_size} data-parallel rank(s)")
     finally:
         dist.destroy_process_group()
     return ModelFootprint(
@@ -308,12 +310,9 @@ def dry_run_report(cfg: MoltConfig) -> Iterator[str]:
     source, field = resolve_architecture(cfg)
     model = measure_model(cfg, source, field)
     device = {"cpu": "cpu", "cuda": "cuda"}.get(cfg.device, "cuda where visible, else cpu")
-    layout = cfg.layout
-    yield (f"trainer mesh: {model.mesh} over ranks 0-{layout.num_trainer_ranks - 1} (a fake process group of "
-           f"{cfg.world_size} ranks; device type {device} at run time): dp_replicate "
-           f"{layout.trainer_data_parallel_replicate} x dp_shard {layout.num_trainer_ranks // (layout.trainer_data_parallel_replicate * layout.trainer_tensor_parallel_size)} "
-           f"x tp {layout.trainer_tensor_parallel_size}, {layout.num_trainer_ranks // layout.trainer_tensor_parallel_size} "
-           f"data-parallel rank(s); FSDP2 units: {model.num_blocks} decoder blocks + the root")
+    yield (f"trainer mesh: {model.mesh} over ranks 0-{cfg.layout.num_trainer_ranks - 1} (a fake process group of "
+           f"{cfg.world_size} ranks; device type {device} at run time); FSDP2 units: {model.num_blocks} decoder "
+           f"blocks + the root")
     yield from describe_context_parallel(cfg)
     shown = os.path.relpath(source) if Path(source).resolve().is_relative_to(Path.cwd()) else source
     yield f"model: {model.architecture} from {shown} ({field}), built on the meta device"

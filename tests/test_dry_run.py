@@ -85,6 +85,7 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert "launch: torchrun --nnodes 2 --nproc_per_node 8" in out
     assert "trainer group timeout: 7,800 s (2.2 h)" in out
     assert "trainer mesh: DeviceMesh((dp_shard=8)" in out and "fake process group of 16 ranks" in out
+    assert "dp_replicate 1 x dp_shard 8 x tp 1, 8 data-parallel rank(s)" in out
     assert "model: Qwen3MoeForCausalLM" in out and "(model.config_path)" in out
     expected = qwen3_moe_params(hf_config("qwen3-30b-a3b"))
     assert printed_params(out) == expected
@@ -186,3 +187,13 @@ def test_the_trainer_group_outwaits_the_refits_and_the_rollouts(monkeypatch):
     # The refit check's scoring on the engines counts only when it runs; more attempts, more time.
     cfg.refit.check_every_steps, cfg.refit.max_attempts = 5, 3
     assert trainer_group_timeout(cfg).refit_seconds == 3 * 3 * 3600 + 3600
+
+
+def test_an_hsdp_layout_shows_its_replicas_and_shards(tmp_path):
+    """The mesh line is read from the mesh the dry run built: 2 replicas of 4 FSDP2 shards."""
+    # Shards of 4 ranks hold twice the state of 8: the recipe's 79 GiB check would refuse it.
+    result = run_dry_run(QWEN3_RECIPE, "layout.trainer_data_parallel_replicate=2", "layout.gpu_memory_gigabytes=0",
+                         checkpoints=tmp_path / "absent")
+    assert result.returncode == 0, result.stderr
+    assert "trainer mesh: DeviceMesh((dp_replicate=2, dp_shard=4)" in result.stdout
+    assert "dp_replicate 2 x dp_shard 4 x tp 1, 8 data-parallel rank(s)" in result.stdout
