@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from molt.batch import MicroBatch, build_micro_batches
 from molt.experience import Experience
 from molt.hf_checkpoint import build_empty_model, load_sharded_weights
-from molt.logprobs import compute_chunked_logprobs
+from molt.logprobs import check_temperature, compute_chunked_logprobs
 from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
                              compute_ppo_clip_loss, token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
@@ -102,13 +102,16 @@ class ScoringHead(nn.Module):
         super().__init__()
         self.weight = weight
         self.chunk_tokens = chunk_tokens
-        self.request: tuple[torch.Tensor, float, bool] | None = None  # (targets, temperature, with_entropy)
+        # (targets [rows, len], temperature: one or [rows, len] per position, with_entropy)
+        self.request: tuple[torch.Tensor, float | torch.Tensor, bool] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight.full_tensor() if isinstance(self.weight, DTensor) else self.weight
         if self.request is None:
             return F.linear(hidden, weight)
         targets, temperature, with_entropy = self.request
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.reshape(-1)
         logprobs, entropy = compute_chunked_logprobs(
             hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature=temperature,
             chunk_tokens=self.chunk_tokens, with_entropy=with_entropy)
@@ -130,18 +133,26 @@ def install_scoring_head(model: nn.Module, *, chunk_tokens: int) -> None:
     model.set_output_embeddings(ScoringHead(head.weight, chunk_tokens=chunk_tokens))
 
 
-def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: float, with_entropy: bool = False,
-                 attention_mask: torch.Tensor | None = None,
+def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: float | torch.Tensor,
+                 with_entropy: bool = False, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[rows, len] log p(token t | the tokens before it in its sequence) under logits / temperature
     (at least float32), and with `with_entropy` the entropy of that distribution; 0 at each
     sequence's first token (column 0, or where `position_ids` is 0 in a packed row).
+
+    `temperature`: one for every token, or [rows, len] (like `input_ids`) the one each token was
+    sampled at, which its log-prob and entropy are then taken at.
 
     A model with a `ScoringHead` computes both in chunks, never holding [tokens, vocab] logits; a
     plain Hugging Face model (tests, tools) goes through its full logits. Padded rows must be
     right-padded (positions then count from 0 in every row).
     """
     targets = torch.roll(input_ids, -1, dims=-1)  # position t predicts token t + 1
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape != input_ids.shape:
+            raise ValueError(f"temperature must be one number or [rows, len] = {tuple(input_ids.shape)} like "
+                             f"input_ids, got {tuple(temperature.shape)}")
+        temperature = torch.roll(temperature, -1, dims=-1)  # ...at the temperature token t + 1 was sampled at
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     head = model.get_output_embeddings()
     if isinstance(head, ScoringHead):
@@ -152,8 +163,10 @@ def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: floa
             head.request = None
         logprobs, entropy = scores[..., 0], scores[..., 1] if with_entropy else None
     else:
+        check_temperature(temperature)
         logits = model(**inputs).logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+        divisor = temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / divisor
         logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         entropy = token_entropy_from_logits(logits) if with_entropy else None
     return _align(logprobs, position_ids), _align(entropy, position_ids) if with_entropy else None
@@ -172,10 +185,11 @@ def compute_token_logprobs(
     return score_tokens(model, input_ids, attention_mask=attention_mask, temperature=temperature)[0]
 
 
-def score_micro_batch(model: nn.Module, micro_batch: MicroBatch, *, temperature: float,
+def score_micro_batch(model: nn.Module, micro_batch: MicroBatch, *,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`score_tokens` of a micro-batch, padded or packed, as [batch, seq] rows."""
-    logprobs, entropy = score_tokens(model, temperature=temperature, with_entropy=with_entropy,
+    """`score_tokens` of a micro-batch, padded or packed, as [batch, seq] rows, each token at the
+    temperature it was sampled at (`MicroBatch.temperatures`)."""
+    logprobs, entropy = score_tokens(model, temperature=micro_batch.model_temperatures(), with_entropy=with_entropy,
                                      **micro_batch.model_inputs())
     return micro_batch.to_rows(logprobs), micro_batch.to_rows(entropy) if with_entropy else None
 
@@ -307,7 +321,9 @@ class TrainableModel:
 
 
 class Actor(TrainableModel):
-    """The policy being trained (see TrainableModel); log-probs at the sampling `temperature`."""
+    """The policy being trained (see TrainableModel). Micro-batches are scored at their tokens' own
+    sampling temperatures (`MicroBatch.temperatures`); `temperature`, the run's, is for
+    `compute_logprobs` and the micro-batches built here (`choose_layout`)."""
 
     def __init__(self, model: nn.Module, *, temperature: float = 1.0, **settings) -> None:
         super().__init__(model, **settings)
@@ -348,8 +364,7 @@ class Actor(TrainableModel):
                           denominator: float) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """The loss terms of one micro-batch and their statistics (masked sums)."""
         mask = micro_batch.action_mask
-        logprobs, entropy = score_micro_batch(self.model, micro_batch, temperature=self.temperature,
-                                              with_entropy=loss.entropy_coef > 0)
+        logprobs, entropy = score_micro_batch(self.model, micro_batch, with_entropy=loss.entropy_coef > 0)
         stats: dict[str, torch.Tensor] = {}
         weights, ratio_base = None, micro_batch.behavior_logprobs
         if loss.importance is not None:
@@ -386,7 +401,7 @@ class Actor(TrainableModel):
     def score(self, micro_batch: MicroBatch) -> torch.Tensor:
         """[batch, seq] token log-probs of a micro-batch under the current weights (collective)."""
         self.model.eval()
-        logprobs, _ = score_micro_batch(self.model, micro_batch.to(self.device), temperature=self.temperature)
+        logprobs, _ = score_micro_batch(self.model, micro_batch.to(self.device))
         # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
         # later forward would then reuse them even after the optimizer changed the shards.
         self.model.reshard()
@@ -394,7 +409,8 @@ class Actor(TrainableModel):
 
     @torch.no_grad()
     def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[batch, seq] token log-probs of right-padded rows under the current weights (collective)."""
+        """[batch, seq] token log-probs of right-padded rows under the current weights, at `temperature`
+        (collective)."""
         self.model.eval()
         logprobs = compute_token_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device),
                                           temperature=self.temperature)
@@ -457,7 +473,7 @@ def choose_layout(actor: Actor, pad_token_id: int, compute_dtype: torch.dtype) -
                                       behavior_logprobs=[0.0] * length, policy_versions=[0] * length,
                                       reward=0.0, score=0.0, group_id=0, rollout_id=rollout_id))
     packed, padded = (build_micro_batches(experiences, max_tokens_per_micro_batch=64, pad_token_id=pad_token_id,
-                                          layout=name)[0] for name in (layout, "padded"))
+                                          layout=name, temperature=actor.temperature)[0] for name in (layout, "padded"))
     mask = padded.attention_mask.to(actor.device)
     gap = ((actor.score(packed) - actor.score(padded)).abs() * mask).max().item()
     tolerance = 1e-3 if compute_dtype.itemsize >= 4 else 5e-2  # bf16 kernels differ more; a leak differs by far more

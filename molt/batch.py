@@ -30,6 +30,9 @@ class MicroBatch:
     action_mask: torch.Tensor  # [batch, seq] float, 1 = policy action
     behavior_logprobs: torch.Tensor  # [batch, seq] float, 0 off the action tokens
     advantages: torch.Tensor  # [batch, seq] float, 0 off the action tokens
+    # The temperature each token was sampled at: its experience's own where it has them, the run's
+    # (rollout.temperature) elsewhere and on padding. Log-probs are recomputed at them (score_micro_batch).
+    temperatures: torch.Tensor  # [batch, seq] float32
     rewards: torch.Tensor  # [batch] float64, each row's rollout reward (0 for a filler row)
     rows: list[int]  # [batch] index of each row's experience in the rank's list; -1 = filler
     # Packed micro-batches only (None when padded):
@@ -63,6 +66,16 @@ class MicroBatch:
         if self.packed_ids is None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         return {"input_ids": self.packed_ids, "position_ids": self.position_ids}
+
+    def model_temperatures(self) -> torch.Tensor:
+        """`temperatures` laid out like `model_inputs()`: the padded rows, or [packed_rows, width]
+        with 1 on a packed row's pad tail (whose log-probs `to_rows` drops)."""
+        if self.packed_ids is None:
+            return self.temperatures
+        real = self.packed_index >= 0
+        flat = self.temperatures.new_ones(self.packed_index.shape)
+        flat[real] = self.temperatures.reshape(-1)[self.packed_index[real]]
+        return flat.view(self.packed_ids.shape)
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[batch, seq] from per-token `values` laid out like `model_inputs()` (0 on padding)."""
@@ -147,16 +160,18 @@ def count_window_micro_batches(experiences: list[Experience], *, num_windows: in
 
 
 def build_windows(experiences: list[Experience], *, num_windows: int, micro_batch_counts: list[int],
-                  max_tokens_per_micro_batch: int, pad_token_id: int, layout: str) -> list[list[MicroBatch]]:
+                  max_tokens_per_micro_batch: int, pad_token_id: int, layout: str,
+                  temperature: float = 1.0) -> list[list[MicroBatch]]:
     """This rank's experiences as `num_windows` optimizer windows of micro-batches, each padded with
-    empty micro-batches to `micro_batch_counts[window]`. Rows index the rank's whole list."""
+    empty micro-batches to `micro_batch_counts[window]`. Rows index the rank's whole list.
+    `temperature`: the run's sampling temperature (see `build_micro_batches`)."""
     if len(micro_batch_counts) != num_windows:
         raise ValueError(f"need a micro-batch count per window: {num_windows} windows, {len(micro_batch_counts)} counts")
     windows = []
     for window, count in zip(split_into_windows(experiences, num_windows), micro_batch_counts):
         micro_batches = build_micro_batches([experiences[i] for i in window], max_tokens_per_micro_batch=
                                             max_tokens_per_micro_batch, pad_token_id=pad_token_id,
-                                            num_micro_batches=count, layout=layout)
+                                            num_micro_batches=count, layout=layout, temperature=temperature)
         for micro_batch in micro_batches:
             micro_batch.rows = [window[row] if row >= 0 else -1 for row in micro_batch.rows]
         windows.append(micro_batches)
@@ -181,6 +196,7 @@ def build_micro_batches(
     pad_token_id: int,
     num_micro_batches: int | None = None,
     layout: str = "padded",
+    temperature: float = 1.0,
 ) -> list[MicroBatch]:
     """Group experiences into micro-batches of at most `max_tokens_per_micro_batch` computed
     positions in the given layout (`LAYOUTS`), longest first. A sequence longer than the budget gets
@@ -191,6 +207,8 @@ def build_micro_batches(
     Args:
         advantages: one per experience, broadcast onto its action tokens; None leaves them 0 (the
             learner fills them in per step).
+        temperature: the run's sampling temperature (rollout.temperature): every token's where an
+            experience has no `temperatures` of its own, and on padding.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: use one of {', '.join(LAYOUTS)}")
@@ -205,7 +223,7 @@ def build_micro_batches(
     if min(lengths, default=1) < 1:
         raise ValueError("every experience needs at least one token; got an empty token_ids")
     groups = _group_by_budget(lengths, max_tokens_per_micro_batch, layout)
-    micro_batches = [_collate(experiences, advantages, rows, pad_token_id, packed=layout != "padded")
+    micro_batches = [_collate(experiences, advantages, rows, pad_token_id, temperature, packed=layout != "padded")
                      for rows in groups]
     if num_micro_batches is not None:
         if num_micro_batches < len(micro_batches):
@@ -214,7 +232,8 @@ def build_micro_batches(
                 f"these experiences need; pass the max of count_micro_batches over ranks"
             )
         num_empty = num_micro_batches - len(micro_batches)
-        micro_batches.extend(_empty_micro_batch(pad_token_id, packed=layout != "padded") for _ in range(num_empty))
+        micro_batches.extend(_empty_micro_batch(pad_token_id, temperature, packed=layout != "padded")
+                             for _ in range(num_empty))
     return micro_batches
 
 
@@ -261,7 +280,7 @@ def _group_by_budget(lengths: list[int], max_tokens: int, layout: str) -> list[l
 
 
 def _collate(all_experiences: list[Experience], all_advantages: list[float], packed_rows: list[list[int]],
-             pad_token_id: int, packed: bool) -> MicroBatch:
+             pad_token_id: int, temperature: float, packed: bool) -> MicroBatch:
     rows = [index for packed_row in packed_rows for index in packed_row]  # one padded row per experience
     experiences = [all_experiences[i] for i in rows]
     advantages = [all_advantages[i] for i in rows]
@@ -270,12 +289,15 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], pac
     attention_mask = torch.zeros((num_rows, seq_len), dtype=torch.long)
     action_mask = torch.zeros((num_rows, seq_len), dtype=torch.float32)
     behavior_logprobs = torch.zeros((num_rows, seq_len), dtype=torch.float32)
+    temperatures = torch.full((num_rows, seq_len), temperature, dtype=torch.float32)
     for row, experience in enumerate(experiences):
         n = experience.num_tokens
         input_ids[row, :n] = torch.tensor(experience.token_ids, dtype=torch.long)
         attention_mask[row, :n] = 1
         action_mask[row, :n] = torch.tensor(experience.action_mask, dtype=torch.float32)
         behavior_logprobs[row, :n] = torch.tensor(experience.behavior_logprobs, dtype=torch.float32)
+        if experience.temperatures is not None:
+            temperatures[row, :n] = torch.tensor(experience.temperatures, dtype=torch.float32)
     row_advantages = torch.tensor(advantages, dtype=torch.float32)[:, None]  # [batch, 1]
     micro_batch = MicroBatch(
         input_ids=input_ids,
@@ -283,6 +305,7 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], pac
         action_mask=action_mask,
         behavior_logprobs=behavior_logprobs * action_mask,
         advantages=row_advantages * action_mask,
+        temperatures=temperatures,
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float64),
         rows=rows,
     )
@@ -314,7 +337,7 @@ def _pack(micro_batch: MicroBatch, lengths: list[list[int]], pad_token_id: int) 
     micro_batch.packed_index = packed_index
 
 
-def _empty_micro_batch(pad_token_id: int, packed: bool) -> MicroBatch:
+def _empty_micro_batch(pad_token_id: int, temperature: float, packed: bool) -> MicroBatch:
     # The filler token is marked real (attention 1) so attention never sees a fully masked row,
     # which would put NaNs into the forward; with no action tokens it adds nothing to the loss.
     micro_batch = MicroBatch(
@@ -323,6 +346,7 @@ def _empty_micro_batch(pad_token_id: int, packed: bool) -> MicroBatch:
         action_mask=torch.zeros((1, 1)),
         behavior_logprobs=torch.zeros((1, 1)),
         advantages=torch.zeros((1, 1)),
+        temperatures=torch.full((1, 1), temperature, dtype=torch.float32),
         rewards=torch.zeros(1, dtype=torch.float64),
         rows=[-1],
     )

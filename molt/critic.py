@@ -183,10 +183,11 @@ def build_reference_model(model_path: str, *, mesh: TrainerMesh, device: torch.d
 
 
 @torch.no_grad()
-def compute_reference_logprobs(model: nn.Module, micro_batch: MicroBatch, *, temperature: float) -> torch.Tensor:
+def compute_reference_logprobs(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
     """[batch, seq] token log-probs of a micro-batch under the reference model, aligned as
-    `score_tokens`. Collective over its mesh. `temperature` should be the actor's, so the KL
-    compares the same distributions the policy loss uses."""
-    logprobs, _ = score_micro_batch(model, micro_batch, temperature=temperature)
+    `score_tokens`. Collective over its mesh. Each token at the temperature it was sampled at
+    (`MicroBatch.temperatures`), as the actor scores it, so the KL compares the same
+    distributions the policy loss uses."""
+    logprobs, _ = score_micro_batch(model, micro_batch)
     model.reshard()  # see Critic.compute_values
     return logprobs

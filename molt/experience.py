@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
 
@@ -19,6 +20,9 @@ class Experience:
     action_mask: list[int]  # [tokens] 1 where the policy sampled the token
     behavior_logprobs: list[float]  # [tokens] engine log-prob of each sampled token, 0 elsewhere
     policy_versions: list[int]  # [tokens] weight version that sampled each action token, -1 elsewhere
+    # None: rollout.temperature for every token (the common case, which ships nothing). Only the
+    # action tokens' values matter; context positions are masked out of every loss.
+    temperatures: list[float] | None = None  # [tokens] temperature each token was sampled at
     reward: float  # the rollout's reward, shared by all its segments
     score: float  # value used for group filtering; defaults to the reward
     group_id: int  # prompt group this rollout belongs to
@@ -31,6 +35,11 @@ class Experience:
     # controller needs without them (see summarize_tokens).
     payload: dict | None = None
     summary: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperatures is not None and len(self.temperatures) != len(self.token_ids):
+            raise ValueError(f"temperatures has {len(self.temperatures)} entries for {len(self.token_ids)} tokens; "
+                             f"give one per token, or None for rollout.temperature everywhere")
 
     @property
     def num_tokens(self) -> int:
@@ -74,25 +83,41 @@ class Segment:
     action_mask: list[int] = field(default_factory=list)  # [tokens]
     logprobs: list[float] = field(default_factory=list)  # [tokens]
     versions: list[int] = field(default_factory=list)  # [tokens]
+    temperatures: list[float] = field(default_factory=list)  # [tokens] sampling temperature; 1.0 on context
     truncated: bool = False  # its last response was cut at max_tokens
 
     def add_context(self, token_ids: list[int]) -> None:
+        # Context positions are masked out of every loss; any positive temperature keeps their
+        # (discarded) log-probs finite.
         self.token_ids += token_ids
         self.action_mask += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
         self.versions += [-1] * len(token_ids)
+        self.temperatures += [1.0] * len(token_ids)
 
-    def add_action(self, token_ids: list[int], logprobs: list[float], versions: int | list[int]) -> None:
-        """Append sampled tokens; `versions`: the weight version of each token, or one for all."""
+    def add_action(self, token_ids: list[int], logprobs: list[float], versions: int | list[int],
+                   temperature: float = 1.0) -> None:
+        """Append sampled tokens; `versions`: the weight version of each token, or one for all;
+        `temperature`: the one they were sampled at (their `logprobs` are at it too)."""
         if isinstance(versions, int):
             versions = [versions] * len(token_ids)
         if not len(token_ids) == len(logprobs) == len(versions):
             raise RuntimeError(f"engine returned {len(token_ids)} tokens but {len(logprobs)} logprobs "
                                f"and {len(versions)} versions")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature={temperature}: sampled tokens need a positive, finite temperature for "
+                             f"the trainer to recompute their log-probs (greedy, temperature 0, has none)")
         self.token_ids += token_ids
         self.action_mask += [1] * len(token_ids)
         self.logprobs += logprobs
         self.versions += versions
+        self.temperatures += [float(temperature)] * len(token_ids)
+
+    def action_temperatures_or_none(self, default: float) -> list[float] | None:
+        """[tokens] the temperatures, for `Experience.temperatures`, when some action token was
+        sampled at one other than `default` (rollout.temperature); else None, which ships nothing."""
+        differs = any(is_action and t != default for is_action, t in zip(self.action_mask, self.temperatures))
+        return list(self.temperatures) if differs else None
 
     def copy(self) -> Segment:
         return copy.deepcopy(self)
@@ -126,6 +151,7 @@ def split_at_version_changes(experience: Experience) -> list[Experience]:
             experience, token_ids=experience.token_ids[:end], action_mask=[int(m) for m in mine],
             behavior_logprobs=[lp if m else 0.0 for lp, m in zip(experience.behavior_logprobs, mine)],
             policy_versions=[v if m else -1 for v, m in zip(experience.policy_versions, mine)],
+            temperatures=None if experience.temperatures is None else experience.temperatures[:end],
             truncated=experience.truncated and is_last, info=dict(experience.info)))
         start = last + 1
     return pieces

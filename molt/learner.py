@@ -50,7 +50,6 @@ class Learner:
         self.actor = actor
         self.group = mesh.dp_group
         self.device = device
-        self.temperature = cfg.rollout.temperature
         self.ppo_epochs = train.ppo_epochs
         plan = ShardingPlan.from_config(cfg)
         self.kl_coef = algo.kl_coef
@@ -159,7 +158,7 @@ class Learner:
         (behaviour log-probs) to the reference, over all ranks."""
         kl_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # [kl sum, action tokens]
         for micro_batch in micro_batches:
-            logprobs = compute_reference_logprobs(self.reference, micro_batch, temperature=self.temperature)
+            logprobs = compute_reference_logprobs(self.reference, micro_batch)
             micro_batch.ref_logprobs = logprobs * micro_batch.action_mask
             kl = self._token_kl(micro_batch)
             kl_sum += torch.stack([kl.sum(), micro_batch.action_mask.sum()]).to(torch.float64)

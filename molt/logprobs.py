@@ -9,12 +9,14 @@ tensor larger than [chunk_tokens, vocab] is ever alive (the same idea as the fus
 cross-entropy kernels in Liger-Kernel and Apple's Cut Cross-Entropy, in plain PyTorch ops).
 """
 
+import math
+
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 
-def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float,
+def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float | Tensor,
                              chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """[tokens] log softmax(z)[target] and, if `with_entropy`, [tokens] entropy of softmax(z), where
     z = (hidden @ weight.T) / temperature in at least float32 (float64 stays float64).
@@ -28,7 +30,9 @@ def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
         hidden: [tokens, hidden_size] final hidden states (any float dtype).
         weight: [vocab, hidden_size] LM head weight, same dtype as `hidden`.
         targets: [tokens] long, the token each position predicts.
-        temperature: the sampling temperature the logits are divided by (> 0).
+        temperature: the sampling temperature the logits are divided by: one for every row, or a
+            [tokens] tensor with each row's own (each target sampled at its own temperature); all
+            > 0 and finite. Not differentiated.
         chunk_tokens: rows of [chunk_tokens, vocab] logits computed at a time (> 0).
         with_entropy: also return the entropy (and take its gradient in backward).
     """
@@ -36,25 +40,48 @@ def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *,
     return _ChunkedLogprobs.apply(hidden, weight, targets, temperature, chunk_tokens, with_entropy)
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int) -> None:
+def check_temperature(temperature: float | Tensor) -> None:
+    """Raises unless every temperature is positive and finite (a tensor costs one device sync)."""
+    if not isinstance(temperature, Tensor):
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be positive and finite, got {temperature}")
+        return
+    if not temperature.is_floating_point():
+        raise ValueError(f"temperature tensor must be floating point, got {temperature.dtype}")
+    bad = ~(torch.isfinite(temperature) & (temperature > 0))
+    if bad.any():
+        index = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"temperatures must be positive and finite, got {temperature[index].item()} at index "
+                         f"{list(index)} ({int(bad.sum())} of {temperature.numel()} bad)")
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor,
+                  chunk_tokens: int) -> None:
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [tokens, hidden_size] and weight [vocab, hidden_size], "
                          f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [tokens] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
+    if isinstance(temperature, Tensor) and temperature.shape != targets.shape:
+        raise ValueError(f"a temperature tensor must be [tokens] = {tuple(targets.shape)}, one per target, "
+                         f"got {tuple(temperature.shape)}")
+    check_temperature(temperature)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}; "
                          f"cast hidden to the LM head's dtype first")
 
 
+def _chunk_temperature(temperature: float | Tensor, rows: slice, dtype: torch.dtype) -> float | Tensor:
+    """What one chunk's [chunk, vocab] logits divide by: the scalar, or [chunk, 1] of the rows' own."""
+    return temperature if not isinstance(temperature, Tensor) else temperature[rows].to(dtype).unsqueeze(-1)
+
+
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, logsumexp: Tensor | None,
-                    temperature: float) -> tuple[Tensor, Tensor]:
+                    temperature: float | Tensor) -> tuple[Tensor, Tensor]:
     """One chunk's [chunk, vocab] log-probs and [chunk] logsumexp; `logsumexp` is computed when
-    None (forward) and reused when given (backward)."""
+    None (forward) and reused when given (backward). `temperature`: a scalar or [chunk, 1]."""
     # At least float32: bf16 log-probs are too coarse for importance ratios. The matmul (or the
     # upcast) output is fresh, so the temperature and the normaliser are applied in place.
     logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))  # [chunk, vocab]
@@ -65,11 +92,11 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, logsumexp: Tensor | None,
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """See `compute_chunked_logprobs`. Saves hidden, weight, targets and the [tokens] logsumexp
-    and entropy, never logits."""
+    """See `compute_chunked_logprobs`. Saves hidden, weight, targets, the [tokens] logsumexp and
+    entropy, and a temperature tensor if given; never logits."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+    def forward(ctx: FunctionCtx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor,
                 chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         num_tokens = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -78,12 +105,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(num_tokens, dtype=dtype) if with_entropy else None  # [tokens]
         for start in range(0, num_tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            chunk_logprobs, logsumexp[rows] = _chunk_logprobs(hidden[rows], weight, None, temperature)
+            chunk_logprobs, logsumexp[rows] = _chunk_logprobs(hidden[rows], weight, None,
+                                                              _chunk_temperature(temperature, rows, dtype))
             logprobs[rows] = chunk_logprobs.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = -(chunk_logprobs.exp() * chunk_logprobs).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        per_row = isinstance(temperature, Tensor)
+        ctx.save_for_backward(hidden, weight, targets, logsumexp, entropy, temperature if per_row else None)
+        ctx.temperature, ctx.chunk_tokens = None if per_row else temperature, chunk_tokens
         ctx.set_materialize_grads(False)  # a None grad means that output did not reach the loss
         return logprobs, entropy
 
@@ -91,17 +120,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None,
                  grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets, logsumexp, entropy = ctx.saved_tensors
+        hidden, weight, targets, logsumexp, entropy, temperatures = ctx.saved_tensors
+        temperature = ctx.temperature if temperatures is None else temperatures
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
         # Summed over every chunk, so kept wide and rounded to weight's dtype once at the end.
         grad_weight = weight.new_zeros(weight.shape, dtype=logsumexp.dtype) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            logprobs, _ = _chunk_logprobs(hidden[rows], weight, logsumexp[rows], ctx.temperature)
+            chunk_temperature = _chunk_temperature(temperature, rows, logsumexp.dtype)
+            logprobs, _ = _chunk_logprobs(hidden[rows], weight, logsumexp[rows], chunk_temperature)
             grad_logits = _chunk_grad_logits(logprobs, targets[rows], _rows(entropy, rows),
                                              _rows(grad_logprobs, rows), _rows(grad_entropy, rows))
-            grad_logits.div_(ctx.temperature)  # z = logits / temperature
+            grad_logits.div_(chunk_temperature)  # z = logits / temperature
             if need_hidden:
                 grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight  # [chunk, hidden_size]
             if need_weight:

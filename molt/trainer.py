@@ -100,7 +100,8 @@ class Trainer:
                 windows = build_windows(
                     experiences, num_windows=len(micro_batch_counts), micro_batch_counts=micro_batch_counts,
                     max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
-                    pad_token_id=self.pad_token_id, layout=self.micro_batch_layout)
+                    pad_token_id=self.pad_token_id, layout=self.micro_batch_layout,
+                    temperature=self.cfg.rollout.temperature)
                 train_metrics = self.learner.train_step(windows, info)
                 self.release_payloads()
             self.count_nonfinite(step, train_metrics)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import random
 
@@ -13,7 +14,9 @@ from molt.optimizer import OptimizerSettings
 from molt.parallelize import ShardingPlan, TrainerMesh
 
 PAD = 0
-CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
+# Micro-batches hold temperatures in float32 (as the engine samples with them): 0.875 is exact there,
+# so fp64 comparisons against naive loops at the Python float stay exact.
+CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.875
 CPU = torch.device("cpu")
 PPO = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
 # Every term at once, with a tight band so the importance correction rejects tokens.
@@ -44,15 +47,17 @@ def as_float32(value: float) -> float:
 
 
 def naive_window_loss(model, experiences, advantages) -> torch.Tensor:
-    """Token-mean PPO-clip over the window, one unpadded sequence and one token at a time."""
+    """Token-mean PPO-clip over the window, one unpadded sequence and one token at a time, each
+    token at its own sampling temperature (TEMPERATURE for an experience without them)."""
     terms = []
     for experience, advantage in zip(experiences, advantages):
         ids = torch.tensor([experience.token_ids])
-        logits = model(input_ids=ids).logits[0].double() / TEMPERATURE
+        logits = model(input_ids=ids).logits[0].double()
+        temperatures = experience.temperatures or [TEMPERATURE] * experience.num_tokens
         for t in range(1, experience.num_tokens):
             if not experience.action_mask[t]:
                 continue
-            logprob = torch.log_softmax(logits[t - 1], dim=-1)[experience.token_ids[t]]
+            logprob = torch.log_softmax(logits[t - 1] / temperatures[t], dim=-1)[experience.token_ids[t]]
             ratio = torch.exp(logprob - experience.behavior_logprobs[t])
             clipped = ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
             terms.append(-torch.minimum(ratio * advantage, clipped * advantage))
@@ -76,7 +81,7 @@ def build_rank_micro_batches(experiences, advantages, group, budget) -> list:
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return build_micro_batches(
         my_experiences, [advantages[i] for i in mine], max_tokens_per_micro_batch=budget,
-        pad_token_id=PAD, num_micro_batches=int(count),
+        pad_token_id=PAD, num_micro_batches=int(count), temperature=TEMPERATURE,
     )
 
 
@@ -128,14 +133,15 @@ def gradient_invariance_rank(rank, world_size, model_path, experiences, advantag
 
         actor = make_actor(model_path, single_group, torch.float64, lr=1e-3)
         one = build_micro_batches(
-            experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD
+            experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD, temperature=TEMPERATURE
         )
         assert len(one) == 1
         results["1 rank, 1 micro-batch"] = window_gradients(actor, one)
         thirds = [slice(0, 2), slice(2, 7), slice(7, None)]
         three = [
             build_micro_batches(
-                experiences[s], advantages[s], max_tokens_per_micro_batch=10_000, pad_token_id=PAD
+                experiences[s], advantages[s], max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                temperature=TEMPERATURE,
             )[0]
             for s in thirds
         ]
@@ -183,6 +189,60 @@ def assert_same_gradients(results, reference):
                 torch.testing.assert_close(
                     grad, reference[name], rtol=1e-6, atol=1e-12, msg=lambda m: f"{label}: {name}\n{m}"
                 )
+
+
+def with_turn_temperatures(experiences: list[Experience]) -> list[Experience]:
+    """Every other experience sampled in two turns, at 0.7 then 1.3 (float32 values, as micro-batches
+    hold them); the rest at the run's TEMPERATURE (None)."""
+    for experience in experiences[::2]:
+        half = experience.num_tokens // 2
+        experience.temperatures = [as_float32(0.7)] * half + [as_float32(1.3)] * (experience.num_tokens - half)
+    return experiences
+
+
+def per_token_temperature_rank(rank, world_size, model_path, experiences, advantages):
+    """Window gradients and scored log-probs of the actor, padded and packed, with per-token
+    temperatures; the naive loop's gradients at those temperatures and at TEMPERATURE alone."""
+    actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-3)
+    results = {}
+    for layout in ("padded", "rows"):
+        micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000,
+                                            pad_token_id=PAD, layout=layout, temperature=TEMPERATURE)
+        results[layout] = window_gradients(actor, micro_batches)
+        micro_batch = micro_batches[0]
+        scored = actor.score(micro_batch)
+        results[f"{layout} logprobs"] = {index: scored[row, :experiences[index].num_tokens]
+                                         for row, index in enumerate(micro_batch.rows)}
+    for name, batch in (("naive", experiences),
+                        ("one temperature", [dataclasses.replace(e, temperatures=None) for e in experiences])):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+        naive_window_loss(reference, batch, advantages).backward()
+        results[name] = full_gradients(reference)
+    return results
+
+
+def test_each_token_is_scored_and_trained_at_its_own_sampling_temperature(model_path):
+    """MicroBatch.temperatures reach the chunked LM head: the actor's window gradient, padded and
+    packed, is the naive loop's at each token's temperature (fp64, rtol 1e-6 / atol 1e-12), and
+    its scored log-probs are the naive per-token ones; one scalar temperature would be far off."""
+    experiences, advantages = make_experiences(seed=11, count=6)
+    experiences = with_turn_temperatures(experiences)
+    results = run_ranks(per_token_temperature_rank, 1, model_path, experiences, advantages)[0]
+    naive, single = results["naive"], results["one temperature"]
+    assert max((naive[name] - single[name]).abs().max().item() for name in naive) > 1e-4
+    for layout in ("padded", "rows"):
+        for name, grad in results[layout].items():
+            torch.testing.assert_close(grad, naive[name], rtol=1e-6, atol=1e-12, msg=lambda m: f"{layout} {name}\n{m}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    with torch.no_grad():
+        for index, experience in enumerate(experiences):
+            logits = model(input_ids=torch.tensor([experience.token_ids])).logits[0]
+            temperatures = experience.temperatures or [TEMPERATURE] * experience.num_tokens
+            expected = torch.tensor([0.0] + [torch.log_softmax(logits[t - 1] / temperatures[t], -1)[token].item()
+                                             for t, token in enumerate(experience.token_ids) if t > 0],
+                                    dtype=torch.float64)
+            for layout in ("padded", "rows"):
+                torch.testing.assert_close(results[f"{layout} logprobs"][index], expected, rtol=1e-9, atol=1e-9)
 
 
 def training_rank(rank, world_size, model_path, windows):

@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -159,3 +160,63 @@ def test_packed_layouts_respect_the_budget_and_hold_every_token_once(layout):
         assert micro_batch.num_real_tokens == int((micro_batch.packed_index >= 0).sum())
     assert shared_rows > 0
     assert sorted(seen) == sorted(e.token_ids for e in experiences)
+
+
+@pytest.mark.parametrize("layout", ["padded", "rows", "row"])
+def test_micro_batches_carry_each_tokens_sampling_temperature(layout):
+    """Experiences with their own temperatures (turns at 0.7 and 1.0) land in `temperatures`
+    token for token; those without, padding and filler micro-batches get the run's temperature;
+    in the model's layout (packed or not) each real position keeps its token's value."""
+    default = 0.6
+    experiences = make_experiences(seed=7, count=12, max_tokens=40)
+    rng = random.Random(8)
+    for experience in experiences[::2]:
+        experience.temperatures = [rng.choice([0.7, 1.0, 1.25]) for _ in experience.token_ids]
+    micro_batches = build_micro_batches(experiences, max_tokens_per_micro_batch=80, pad_token_id=PAD, layout=layout,
+                                        temperature=default, num_micro_batches=count_micro_batches(
+                                            experiences, max_tokens_per_micro_batch=80, layout=layout) + 1)
+    seen = set()
+    for micro_batch in micro_batches:
+        assert micro_batch.temperatures.dtype == torch.float32
+        assert micro_batch.temperatures.shape == micro_batch.input_ids.shape
+        for row, index in enumerate(micro_batch.rows):
+            if index < 0:  # the filler micro-batch
+                assert micro_batch.temperatures.tolist() == [[torch.tensor(default).item()]]
+                continue
+            seen.add(index)
+            experience, n = experiences[index], experiences[index].num_tokens
+            want = experience.temperatures or [default] * n
+            assert micro_batch.temperatures[row, :n].tolist() == torch.tensor(want, dtype=torch.float32).tolist()
+            assert (micro_batch.temperatures[row, n:] == torch.tensor(default)).all()
+        in_model = micro_batch.model_temperatures()
+        assert in_model.shape == micro_batch.model_inputs()["input_ids"].shape
+        mask = micro_batch.attention_mask.bool()
+        assert torch.equal(micro_batch.to_rows(in_model)[mask], micro_batch.temperatures[mask])
+        assert (in_model > 0).all()
+    assert seen == set(range(len(experiences)))
+
+
+def test_an_experience_without_temperatures_costs_nothing_and_equals_the_default():
+    """None means the run's temperature: the same micro-batch as one listing it for every token."""
+    experiences = make_experiences(seed=9, count=5, max_tokens=30)
+    listed = [dataclasses.replace(e, temperatures=[0.8] * e.num_tokens) for e in experiences]
+    for layout in ("padded", "rows"):
+        plain, explicit = (build_micro_batches(batch, max_tokens_per_micro_batch=64, pad_token_id=PAD, layout=layout,
+                                               temperature=0.8)
+                           for batch in (experiences, listed))
+        for a, b in zip(plain, explicit, strict=True):
+            assert torch.equal(a.temperatures, b.temperatures)
+            assert torch.equal(a.model_temperatures(), b.model_temperatures())
+    assert build_micro_batches(experiences, max_tokens_per_micro_batch=64, pad_token_id=PAD)[0].temperatures.eq(1).all()
+
+
+def test_build_windows_passes_the_run_temperature_on():
+    from molt.batch import build_windows, count_window_micro_batches
+
+    experiences = make_experiences(seed=10, count=6, max_tokens=20)
+    experiences[0].temperatures = [1.5] * experiences[0].num_tokens
+    counts = count_window_micro_batches(experiences, num_windows=2, max_tokens_per_micro_batch=40, layout="rows")
+    windows = build_windows(experiences, num_windows=2, micro_batch_counts=counts, max_tokens_per_micro_batch=40,
+                            pad_token_id=PAD, layout="rows", temperature=0.5)
+    values = {round(v, 6) for w in windows for m in w for v in m.temperatures.flatten().tolist()}
+    assert values == {0.5, 1.5}

@@ -22,7 +22,7 @@ from molt.experience import Experience
 
 PAD = 0
 CLIP_RANGE = 0.2
-TEMPERATURE = 0.9
+TEMPERATURE = 0.875  # exact in float32, as micro-batches hold temperatures
 CPU = torch.device("cpu")
 
 
@@ -264,7 +264,8 @@ def reference_rank(rank, world_size, model_path, experiences):
     actor = build_actor_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
     reference = build_reference_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
     probe = build_micro_batches(
-        experiences, [1.0] * len(experiences), max_tokens_per_micro_batch=10_000, pad_token_id=PAD
+        experiences, [1.0] * len(experiences), max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+        temperature=TEMPERATURE,
     )[0]
 
     def logprobs_pair():
@@ -273,7 +274,7 @@ def reference_rank(rank, world_size, model_path, experiences):
                 actor, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
             )
         actor.reshard()
-        ref = compute_reference_logprobs(reference, probe, temperature=TEMPERATURE)
+        ref = compute_reference_logprobs(reference, probe)
         return actor_logprobs, ref
 
     before = logprobs_pair()
@@ -283,7 +284,7 @@ def reference_rank(rank, world_size, model_path, experiences):
     logprobs = compute_token_logprobs(
         actor, probe.input_ids, probe.attention_mask, temperature=TEMPERATURE
     )
-    ref_in_graph = compute_reference_logprobs(reference, probe, temperature=TEMPERATURE)
+    ref_in_graph = compute_reference_logprobs(reference, probe)
     ((logprobs - ref_in_graph) * probe.action_mask).sum().backward()
     optimizer.step()
     after = logprobs_pair()
@@ -311,3 +312,45 @@ def test_reference_model_is_a_frozen_copy_of_the_initial_policy(model_path):
         assert result["num_parameters"] > 0
         assert result["trainable"] == [] and result["grads"] == []
         assert not result["ref_requires_grad"] and not result["training"]
+
+
+def mixed_temperature_reference_rank(rank, world_size, model_path, experiences):
+    """Reference log-probs of one padded and one packed micro-batch whose experiences carry their own
+    temperatures (each experience's as [tokens])."""
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
+    reference = build_reference_model(model_path, mesh=mesh, device=CPU, plan=ShardingPlan(param_dtype=torch.float64))
+    results = {}
+    for layout in ("padded", "rows"):
+        micro_batch = build_micro_batches(experiences, max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                                          layout=layout, temperature=TEMPERATURE)[0]
+        logprobs = compute_reference_logprobs(reference, micro_batch)
+        results[layout] = {index: logprobs[row, :experiences[index].num_tokens]
+                           for row, index in enumerate(micro_batch.rows)}
+    return results
+
+
+def test_reference_log_probs_use_each_tokens_sampling_temperature(model_path):
+    """The KL's reference side sees the same per-token temperatures as the actor: a naive fp64 loop
+    at each token's temperature (TEMPERATURE where an experience has none), rtol/atol 1e-9."""
+    experiences = make_experiences(seed=6, count=4)
+    for experience in experiences[1:]:
+        prompt = experience.action_mask.index(1)
+        experience.temperatures = [1.0] * prompt + [0.5, 1.25] * experience.num_tokens
+        experience.temperatures = experience.temperatures[:experience.num_tokens]
+    results = run_ranks(mixed_temperature_reference_rank, 1, model_path, experiences)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    worst_single = 0.0
+    with torch.no_grad():
+        for index, experience in enumerate(experiences):
+            logits = model(input_ids=torch.tensor([experience.token_ids])).logits[0]
+            temperatures = experience.temperatures or [TEMPERATURE] * experience.num_tokens
+            expected = torch.tensor([0.0] + [torch.log_softmax(logits[t - 1] / temperatures[t], -1)[token].item()
+                                             for t, token in enumerate(experience.token_ids) if t > 0],
+                                    dtype=torch.float64)
+            single = torch.tensor([0.0] + [torch.log_softmax(logits[t - 1] / TEMPERATURE, -1)[token].item()
+                                           for t, token in enumerate(experience.token_ids) if t > 0],
+                                  dtype=torch.float64)
+            worst_single = max(worst_single, (single - expected).abs().max().item())
+            for layout in ("padded", "rows"):
+                torch.testing.assert_close(results[layout][index], expected, rtol=1e-9, atol=1e-9)
+    assert worst_single > 1e-2  # the test can fail: one temperature for all is far off

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from test_actor import PAD, TEMPERATURE, full_gradients, make_actor, make_experiences
+from test_actor import PAD, TEMPERATURE, full_gradients, make_actor, make_experiences, with_turn_temperatures
 
 from molt.actor import PolicyLoss
 from molt.batch import build_micro_batches, build_windows, count_window_micro_batches
@@ -45,7 +45,8 @@ def windows_of(experiences, num_windows: int, layout: str = "padded", budget: in
     counts = count_window_micro_batches(experiences, num_windows=num_windows, max_tokens_per_micro_batch=budget,
                                        layout=layout)
     return build_windows(experiences, num_windows=num_windows, micro_batch_counts=[max(1, c) for c in counts],
-                         max_tokens_per_micro_batch=budget, pad_token_id=PAD, layout=layout)
+                         max_tokens_per_micro_batch=budget, pad_token_id=PAD, layout=layout,
+                         temperature=TEMPERATURE)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -66,7 +67,8 @@ def one_window_rank(rank, world_size, model_path):
     direct = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-2)
     plain = Learner(cfg, direct, mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU)
     for experiences, info in steps:
-        micro_batches = build_micro_batches(experiences, max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
+        micro_batches = build_micro_batches(experiences, max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                                            temperature=TEMPERATURE)
         plain._set_advantages(micro_batches, info)
         direct.train_window(micro_batches, plain.policy_loss())
     return {"windowed": windowed, "direct": weights(direct.model), "optimizer_steps": metrics["optimizer_steps"],
@@ -85,7 +87,8 @@ def proximal_rank(rank, world_size, model_path):
     actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=3e-2)
     experiences, advantages = make_experiences(seed=3, count=8)
     first, second = (build_micro_batches(experiences[part], advantages[part], max_tokens_per_micro_batch=10_000,
-                                         pad_token_id=PAD) for part in (slice(0, 4), slice(4, 8)))
+                                         pad_token_id=PAD, temperature=TEMPERATURE)
+                     for part in (slice(0, 4), slice(4, 8)))
     for micro_batch in first + second:
         micro_batch.proximal_logprobs = actor.score(micro_batch) * micro_batch.action_mask
     return [actor.train_window(window, DECOUPLED).totals for window in (first, second)]
@@ -125,12 +128,13 @@ def packing_rank(rank, world_size, model_path, layout):
     loss = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, entropy_coef=0.01,
                       importance=("token", "mask", 0.9, 1.1))
     experiences, advantages = make_experiences(seed=6, count=9)
+    experiences = with_turn_temperatures(experiences)  # packed rows must keep each token's temperature too
     results = {}
     for name in ("padded", layout):
         actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=1e-3)
         # 160 tokens: the padded layout needs two micro-batches; packed, 18 + 18 and 16 + 11 share rows.
         micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=160,
-                                            pad_token_id=PAD, layout=name)
+                                            pad_token_id=PAD, layout=name, temperature=TEMPERATURE)
         sums = actor.compute_window_gradients(micro_batches, loss)
         logprobs = [actor.score(m) for m in micro_batches]
         rows = [(row, m, lp) for m, lp in zip(micro_batches, logprobs) for row in range(len(m.rows))]
@@ -175,13 +179,15 @@ def nonfinite_rank(rank, world_size, model_path):
     if rank == 1:
         action = experiences[0].action_mask.index(1)
         experiences[0].behavior_logprobs[action] = float("nan")
-    micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
+    micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                                        temperature=TEMPERATURE)
     before = weights(actor.model)
     poisoned = actor.train_window(micro_batches, DECOUPLED)
     untouched = all(torch.equal(t, before[n]) for n, t in weights(actor.model).items())
     no_grads = all(p.grad is None for p in actor.model.parameters())
     clean, _ = make_experiences(seed=10 + rank, count=3)
-    clean_batches = build_micro_batches(clean, [1.0, -1.0, 0.5], max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
+    clean_batches = build_micro_batches(clean, [1.0, -1.0, 0.5], max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                                        temperature=TEMPERATURE)
     recovered = actor.train_window(clean_batches, DECOUPLED)
     moved = any(not torch.equal(t, before[n]) for n, t in weights(actor.model).items())
     return {"poisoned": poisoned.stepped, "loss": poisoned.totals["loss"], "untouched": untouched,

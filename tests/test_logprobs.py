@@ -1,5 +1,6 @@
 """compute_chunked_logprobs against the direct [tokens, vocab] computation: values, gradients,
-dtypes and the memory bound (no tensor larger than one chunk of logits, forward or backward)."""
+dtypes, per-row temperatures and the memory bound (no tensor larger than one chunk of logits,
+forward or backward)."""
 
 import pytest
 import torch
@@ -50,6 +51,76 @@ def test_chunked_logprobs_match_direct_fp64(chunk_tokens: int, with_entropy: boo
     for got, want in zip(values_and_grads(chunked, upstream, [hidden, weight]),
                          values_and_grads(direct, upstream, [hidden, weight]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def naive_per_row_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           temperatures: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row at a time, each at its own temperature: log_softmax(hidden_i @ W.T / T_i)[target_i]
+    and -(p * log p).sum, in the inputs' dtype (fp64 here)."""
+    logprobs, entropies = [], []
+    for row, temperature in enumerate(temperatures):
+        logp = ((hidden[row] @ weight.T) / temperature).log_softmax(-1)  # [vocab]
+        logprobs.append(logp[targets[row]])
+        entropies.append(-(logp.exp() * logp).sum())
+    return torch.stack(logprobs), torch.stack(entropies)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 6, 37])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_per_row_temperatures_match_a_naive_loop_fp64(chunk_tokens: int, with_entropy: bool) -> None:
+    """A [tokens] temperature tensor (turns sampled at 0.7, 1.0 and 1.3, and a few odd rows) gives
+    each row its own distribution, forward and backward, entropy included (fp64, rtol 1e-10)."""
+    hidden, weight, targets = make_inputs(37, 50, 16, torch.float64, seed=5)
+    temperatures = [0.7] * 12 + [1.0] * 10 + [1.3] * 12 + [0.25, 2.0, 0.9]
+    generator = torch.Generator().manual_seed(6)
+    upstream = [torch.randn(37, generator=generator, dtype=torch.float64) for _ in range(2)]
+    chunked = compute_chunked_logprobs(hidden, weight, targets, temperature=torch.tensor(temperatures,
+                                       dtype=torch.float64), chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+    naive = naive_per_row_logprobs(hidden, weight, targets, temperatures)[: 2 if with_entropy else 1]
+    for got, want in zip(values_and_grads(chunked, upstream, [hidden, weight]),
+                         values_and_grads(naive, upstream, [hidden, weight]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # The test can fail: one scalar temperature for every row is far off.
+    single = compute_chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=chunk_tokens,
+                                      with_entropy=False)[0]
+    assert (single - naive[0]).abs().max() > 1e-2
+
+
+def test_per_row_entropy_alone_gets_gradients_and_float32_temperatures_apply_as_stored() -> None:
+    # float32 temperatures (as micro-batches hold them) divide float64 logits at their float32 value.
+    hidden, weight, targets = make_inputs(20, 30, 8, torch.float64, seed=7)
+    temperatures = torch.tensor([0.7, 1.0, 1.3, 0.5] * 5, dtype=torch.float32)
+    _, entropy = compute_chunked_logprobs(hidden, weight, targets, temperature=temperatures, chunk_tokens=6,
+                                          with_entropy=True)
+    grads = torch.autograd.grad(entropy.sum(), [hidden, weight])
+    naive_entropy = naive_per_row_logprobs(hidden, weight, targets, temperatures.tolist())[1]
+    torch.testing.assert_close(entropy.detach(), naive_entropy.detach(), rtol=1e-10, atol=1e-12)
+    for got, expected in zip(grads, torch.autograd.grad(naive_entropy.sum(), [hidden, weight]), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_uniform_temperature_tensor_equals_the_scalar_path() -> None:
+    hidden, weight, targets = make_inputs(23, 40, 8, torch.float32, seed=8)
+    scalar = compute_chunked_logprobs(hidden, weight, targets, temperature=0.75, chunk_tokens=5, with_entropy=True)
+    tensor = compute_chunked_logprobs(hidden, weight, targets, temperature=torch.full((23,), 0.75), chunk_tokens=5,
+                                      with_entropy=True)
+    for got, want in zip(values_and_grads(tensor, [torch.ones(23)] * 2, [hidden, weight]),
+                         values_and_grads(scalar, [torch.ones(23)] * 2, [hidden, weight]), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("temperature, named", [
+    (0.0, "got 0.0"), (-1.0, "got -1.0"), (float("inf"), "got inf"), (float("nan"), "got nan"),
+    (torch.tensor([1.0, 0.0, 0.7, 1.0]), r"got 0.0 at index \[1\]"),
+    (torch.tensor([1.0, 1.0, float("nan"), -2.0]), r"got nan at index \[2\] \(2 of 4 bad\)"),
+    (torch.ones(3), r"\[tokens\] = \(4,\)"),
+    (torch.ones(4, dtype=torch.long), "floating point"),
+])
+def test_chunked_logprobs_reject_bad_temperatures(temperature, named: str) -> None:
+    hidden, weight, targets = make_inputs(4, 10, 8, torch.float64)
+    with pytest.raises(ValueError, match=named):
+        compute_chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_tokens=2,
+                                 with_entropy=False)
 
 
 def test_chunked_entropy_alone_gets_gradients() -> None:

@@ -2,6 +2,7 @@
 round trips, spilling, a second node in its own process, crafted pickles, names and permissions,
 killed consumers and producers, and flat resources over many cycles."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -160,6 +161,39 @@ def test_experience_offload_restore_round_trip(store, node_id):
     assert_bit_exact(extras, restored_extras)
     with pytest.raises(ValueError, match="token-axis"):
         offload_experience(store, experience, {"token_ids": torch.zeros(5)})
+
+
+def test_sampling_temperatures_travel_in_the_payload_and_none_stays_none(store, node_id):
+    """Per-token temperatures move into the payload with the other token-axis fields (float32, as
+    the engine samples with them) and come back; None sends no tensor and comes back None."""
+    from molt.payloads import offload_record, reload_record
+
+    temperatures = [1.0, 1.0, 0.75, 0.75, 1.5]  # float32-exact: the round trip is exact
+    with_temperatures = Experience(
+        token_ids=[5, 9, 2, 7, 1], action_mask=[0, 0, 1, 1, 1], behavior_logprobs=[0.0, 0.0, -0.5, -1.25, -3.0],
+        policy_versions=[-1, -1, 4, 4, 5], temperatures=temperatures, reward=1.0, score=0.5, group_id=3,
+        rollout_id=11)
+    without = dataclasses.replace(with_temperatures, temperatures=None)
+    client = PayloadClient(node_id, store=store)
+    try:
+        for experience in (with_temperatures, without):
+            light, ref = offload_experience(store, experience)
+            assert light.temperatures is None and light.token_ids == []
+            assert ("temperatures" in [e.name for e in ref.entries]) == (experience.temperatures is not None)
+            if experience.temperatures is not None:
+                assert ref.entry("temperatures").dtype == "float32"
+            tensors = client.reload(wire(ref))
+            restored, extras = restore_experience(Experience.from_dict(light.to_dict()), tensors)
+            assert restored == experience and extras == {}
+
+            record = offload_record(store, experience)  # the path a rollout rank and a trainer rank take
+            shipped = Experience.from_dict(msgpack.unpackb(msgpack.packb(record.to_dict()), raw=False))
+            assert shipped.summary["num_tokens"] == 5 and shipped.temperatures is None
+            assert reload_record(client, shipped) == experience
+        with pytest.raises(ValueError, match="token-axis"):
+            offload_experience(store, with_temperatures, {"temperatures": torch.ones(5)})
+    finally:
+        client.close()
 
 
 def test_spill_past_the_budget_reloads_from_file_on_both_paths(node_id, spill_dir, monkeypatch):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import transformers
 from distributed import run_ranks
 from safetensors.torch import load_file
-from test_actor import PAD, TEMPERATURE, full_gradients, make_experiences
+from test_actor import PAD, TEMPERATURE, full_gradients, make_experiences, with_turn_temperatures
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -62,7 +62,7 @@ def rank_micro_batches(mesh, experiences, advantages) -> list:
     experiences, advantages = [experiences[i] for i in mine], [advantages[i] for i in mine]
     half = len(experiences) // 2
     return [build_micro_batches(experiences[part], advantages[part], max_tokens_per_micro_batch=10_000,
-                                pad_token_id=PAD, layout=layout)[0]
+                                pad_token_id=PAD, layout=layout, temperature=TEMPERATURE)[0]
             for part, layout in ((slice(0, half), "padded"), (slice(half, None), "rows"))]
 
 
@@ -70,6 +70,7 @@ def layouts_rank(rank, world_size, model_path, compute_dtype):
     """For each layout: the gathered weights after loading, the window's loss and gradients, the
     gradient norm, and the weights after one AdamW step."""
     experiences, advantages = make_experiences(seed=5, count=8)  # a packed row 35 wide: uneven over 2 tp ranks
+    experiences = with_turn_temperatures(experiences)  # the LM head scores each token at its own
     experiences[0].token_ids[3] = 5  # the pad id inside a sequence
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=compute_dtype, checkpoint_every=1)
     results = {}
@@ -99,6 +100,7 @@ def gradients_rank(rank, world_size, model_path, layouts):
     """Per layout, the weights as loaded and the window's gradients (no step), fp32; and what the
     first tensor-parallel forward showed of its layout."""
     experiences, advantages = make_experiences(seed=5, count=8)
+    experiences = with_turn_temperatures(experiences)
     results = {"loaded": {}, "grads": {}, "layouts": {}}
     for name, (replicate, tp) in layouts.items():
         mesh = build_trainer_mesh(num_trainer_ranks=world_size, device_type="cpu",
@@ -257,9 +259,10 @@ def critic_rank(rank, world_size, model_path):
     """Values, value-loss gradients and reference log-probs under FSDP2 and TP=2, every rank on the
     whole batch (FSDP2 averages the identical gradients)."""
     experiences, _ = make_experiences(seed=5, count=4)
+    experiences = with_turn_temperatures(experiences)
     half = len(experiences) // 2
     micro_batches = [build_micro_batches(experiences[part], max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
-                                         layout=layout)[0]
+                                         layout=layout, temperature=TEMPERATURE)[0]
                      for part, layout in ((slice(0, half), "padded"), (slice(half, None), "rows"))]
     generator = torch.Generator().manual_seed(0)
     head = (0.2 * torch.randn(1, 128, generator=generator), 0.1 * torch.randn(1, generator=generator))
@@ -276,7 +279,7 @@ def critic_rank(rank, world_size, model_path):
         results[name] = {
             "values": [v.detach() for v in values], "grads": full_gradients(critic),
             "meshes": {p.device_mesh.mesh_dim_names for p in critic.parameters()},
-            "reference": [compute_reference_logprobs(reference, mb, temperature=TEMPERATURE) for mb in micro_batches],
+            "reference": [compute_reference_logprobs(reference, mb) for mb in micro_batches],
         }
     return results
 

@@ -20,11 +20,18 @@ if TYPE_CHECKING:
 # them (molt.batch); token ids and versions fit int32.
 TOKEN_FIELDS = {"token_ids": torch.int32, "action_mask": torch.uint8, "behavior_logprobs": torch.float32,
                 "policy_versions": torch.int32}
+# Token-axis fields that may be None (then absent from the payload, and None again on reload).
+# Temperatures are float32, as the engine divides the logits by them and the trainer does (molt.batch).
+OPTIONAL_TOKEN_FIELDS = {"temperatures": torch.float32}
 
 
 def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
-    """The experience's token-axis fields, each a [tokens] tensor."""
-    return {name: torch.tensor(getattr(experience, name), dtype=dtype) for name, dtype in TOKEN_FIELDS.items()}
+    """The experience's token-axis fields, each a [tokens] tensor (optional ones only when set)."""
+    tensors = {name: torch.tensor(getattr(experience, name), dtype=dtype) for name, dtype in TOKEN_FIELDS.items()}
+    for name, dtype in OPTIONAL_TOKEN_FIELDS.items():
+        if getattr(experience, name) is not None:
+            tensors[name] = torch.tensor(getattr(experience, name), dtype=dtype)
+    return tensors
 
 
 def offload_experience(store: PayloadStore, experience: Experience,
@@ -32,12 +39,12 @@ def offload_experience(store: PayloadStore, experience: Experience,
     """Moves the experience's token-axis fields and `extras` into `store`. Returns the light
     experience (token-axis lists empty) and the reference that `restore_experience` undoes."""
     extras = extras or {}
-    clashes = set(extras) & set(TOKEN_FIELDS)
+    clashes = set(extras) & (set(TOKEN_FIELDS) | set(OPTIONAL_TOKEN_FIELDS))
     if clashes:
         raise ValueError(f"extra payload tensors may not be named like token-axis fields: {sorted(clashes)}")
     ref = store.offload({**experience_tensors(experience), **extras})
     light = dataclasses.replace(experience, token_ids=[], action_mask=[], behavior_logprobs=[],
-                                policy_versions=[], info=dict(experience.info))
+                                policy_versions=[], temperatures=None, info=dict(experience.info))
     return light, ref
 
 
@@ -48,7 +55,8 @@ def restore_experience(light: Experience,
     if missing:
         raise ValueError(f"payload lacks token-axis fields {sorted(missing)}; it has {sorted(tensors)}")
     fields = {name: tensors[name].tolist() for name in TOKEN_FIELDS}
-    extras = {name: t for name, t in tensors.items() if name not in TOKEN_FIELDS}
+    fields.update({name: tensors[name].tolist() if name in tensors else None for name in OPTIONAL_TOKEN_FIELDS})
+    extras = {name: t for name, t in tensors.items() if name not in fields}
     return dataclasses.replace(light, **fields), extras
 
 
