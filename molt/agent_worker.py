@@ -156,7 +156,8 @@ class RemoteSessions:
 
     async def end_session(self, session: RemoteSession) -> SessionRecord:
         result = await self.link.call("close_session", session_id=session.session_id)
-        return SessionRecord(segments=[Segment(**s) for s in result["segments"]], ledger=result["ledger"])
+        return SessionRecord(segments=[Segment(**s) for s in result["segments"]], ledger=result["ledger"],
+                             context_exhausted=result["context_exhausted"])
 
 
 # -- the process -------------------------------------------------------------------------------
@@ -175,6 +176,8 @@ class WorkerSettings:
     model_path: str
     rollout_timeout_seconds: float
     share_tls_context: bool
+    on_context_exhausted: str  # agent.on_context_exhausted
+    context_exhausted_reward: float
 
 
 def run_agent_worker(settings: WorkerSettings) -> None:
@@ -246,6 +249,8 @@ class AgentWorker:
         self.tokenizer = None
         if is_chat:
             self.runner.endpoint = RemoteSessions(self.link)
+            self.runner.on_context_exhausted = self.settings.on_context_exhausted
+            self.runner.context_exhausted_reward = self.settings.context_exhausted_reward
             if self.settings.share_tls_context:
                 share_default_tls_context()
         else:

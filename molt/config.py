@@ -91,6 +91,12 @@ class AgentConfig:
     back and hands each to the worker with the fewest in flight)."""
     endpoint_host: str = "127.0.0.1"
     """Interface the ChatAgent session endpoint binds to (loopback: agents run on the same node)."""
+    on_context_exhausted: str = "train_truncated"
+    """ChatAgents: a request whose conversation no longer fits rollout.max_length gets the API's
+    context-length error; then train_truncated keeps the segments captured so far, marked truncated,
+    with the agent's reward (context_exhausted_reward if the agent raised) | fail (the rollout fails)."""
+    context_exhausted_reward: float = 0.0
+    """train_truncated only: the reward of a rollout whose agent raised after its context was exhausted."""
     share_tls_context: bool = True
     """ChatAgents: SDK clients built per rollout share one default TLS context instead of loading the
     CA bundle each time (~30-50 ms of CPU per client; see molt/agents/tls.py)."""
@@ -109,7 +115,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; the trainer recomputes log-probs at the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 disables it."""
+    """Nucleus sampling mass; must be 1.0: the trainer recomputes log-probs over the full vocabulary."""
+    tool_call_parser: str = "hermes"
+    """ChatAgents: how tool calls are read from replies: hermes (the <tool_call> blocks of Qwen and
+    Hermes templates, parsed as they stream) or a vLLM tool parser's name (llama3_json, mistral,
+    deepseek_v3, pythonic, ...; applied to the whole reply) for templates of other families."""
     engine_memory_fraction: float = 0.1
     """vLLM gpu_memory_utilization: a share of GPU memory, or of host memory on CPU."""
     engine_threads: int = 0
@@ -126,6 +136,9 @@ class RolloutConfig:
     num_agent_workers: int = 1
     """Agent worker processes per rollout rank: each imports the agent file and runs many rollouts
     with asyncio; user agent code runs only there, never in the rank with the engine."""
+    group_affinity: bool = True
+    """Run a group's rollouts on one engine (its prompt prefilled once, then prefix-cached) while load
+    allows (molt.controller.EngineRouter); False: each rollout goes to the least-loaded engine."""
 
 
 @dataclass(kw_only=True)
@@ -489,6 +502,8 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(bool(cfg.agent.path) and (not require_files or Path(cfg.agent.path).is_file()),
           f"agent.path={cfg.agent.path!r} is not a file: point it at a Python file defining AgentRunner")
     check(cfg.agent.max_turns >= 1, f"agent.max_turns={cfg.agent.max_turns}: need at least 1")
+    check(cfg.agent.on_context_exhausted in ("train_truncated", "fail"),
+          f"agent.on_context_exhausted={cfg.agent.on_context_exhausted!r}: use train_truncated or fail")
     check(cfg.agent.on_failed_rollout in ("drop_group", "refill"),
           f"agent.on_failed_rollout={cfg.agent.on_failed_rollout!r}: use drop_group or refill")
     check(cfg.agent.max_refills_per_group >= 0,
@@ -535,6 +550,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"rollout.max_response_tokens={rollout.max_response_tokens} must be below "
           f"rollout.max_length={rollout.max_length}")
     check(rollout.temperature > 0, f"rollout.temperature={rollout.temperature}: must be > 0")
+    check(rollout.top_p == 1.0,
+          f"rollout.top_p={rollout.top_p}: must be 1.0; the trainer recomputes log-probs over the full vocabulary, "
+          f"so nucleus sampling would make them differ from the behaviour log-probs (the sampling contract, "
+          f"docs/agents.md)")
     check(0 < rollout.engine_memory_fraction <= 1,
           f"rollout.engine_memory_fraction={rollout.engine_memory_fraction}: must be in (0, 1]")
     check(train.max_tokens_per_micro_batch >= rollout.max_length,

@@ -43,6 +43,9 @@ class GenerationDelta:
     # On the last delta only (vLLM reports versions when a request finishes): the weight version
     # that sampled each token of the WHOLE generation, [response_tokens]; None on earlier deltas.
     policy_versions: list[int] | None = None
+    stop_reason: str | int | None = None  # on the last delta: the stop string (or token id) that ended it
+    # When asked (top_logprobs=k): per new token, the k most likely tokens as (id, log-prob), best first.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class EngineStartError(RuntimeError):
@@ -61,6 +64,10 @@ class RolloutEngine:
         self._request_ids = itertools.count()
         # (policy version, prompt ids) -> generations of that prompt so far under that version; see _sampling_seed.
         self._prompt_counts: dict[tuple[int, int], int] = {}
+        # Running totals over `stream` requests: prompt tokens submitted, and those the engine computed
+        # (the rest were vLLM prefix-cache hits). Rollout ranks report them as rank metrics.
+        self.prompt_tokens = 0
+        self.prefill_tokens = 0
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
@@ -122,7 +129,8 @@ class RolloutEngine:
                           finish_reason=finish_reason or "abort")
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
-                     seed: int | None = None, incremental: bool = True) -> AsyncIterator[GenerationDelta]:
+                     seed: int | None = None, incremental: bool = True,
+                     top_logprobs: int | None = None, constraint: dict | None = None) -> AsyncIterator[GenerationDelta]:
         """Generate, yielding what each engine step added (`incremental`), or everything as one
         delta at the end, which spares the per-step outputs when no one reads them as they come.
         Closing the iterator early (e.g. the HTTP client went away) aborts the engine request.
@@ -135,27 +143,37 @@ class RolloutEngine:
         partial-rollout refit has the old version up to the swap and the new one after it.
 
         Without `seed`, the request gets one derived from its prompt (see _sampling_seed), so what
-        it samples does not depend on how vLLM happens to batch it with others."""
+        it samples does not depend on how vLLM happens to batch it with others. `top_logprobs`
+        (k) adds each token's k most likely alternatives to the deltas. `constraint`: the keyword
+        arguments of vLLM's StructuredOutputsParams (guided decoding; molt.endpoint.constraints);
+        the log-probs are then those of the constrained distribution the tokens were sampled from."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         version = self.policy_version  # used only if vLLM reports no version span
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                    top_p=sampling.top_p, logprobs=0, stop=stop,
+                                    top_p=sampling.top_p, logprobs=top_logprobs or 0, stop=stop,
                                     seed=self._sampling_seed(token_ids) if seed is None else seed,
-                                    output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY)
+                                    output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY,
+                                    structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
         num_sampled = 0
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
                                               request_id=f"molt-stream-{next(self._request_ids)}"):
             completion = output.outputs[0]
             sampled = list(completion.token_ids)
+            if not num_sampled:  # the request's first output (vLLM sends none without tokens until the last)
+                self.prompt_tokens += len(token_ids)
+                self.prefill_tokens += len(token_ids) - (output.num_cached_tokens or 0)
             num_sampled += len(sampled)
+            steps = completion.logprobs or []
             yield GenerationDelta(
-                token_ids=sampled, logprobs=[float(step[token].logprob) for token, step in zip(sampled, completion.logprobs or [])],
+                token_ids=sampled, logprobs=[float(step[token].logprob) for token, step in zip(sampled, steps)],
                 text=completion.text, finish_reason=completion.finish_reason if output.finished else None,
                 policy_versions=(token_versions(completion.weight_versions, num_sampled, version)
-                                 if output.finished else None))
+                                 if output.finished else None),
+                stop_reason=completion.stop_reason if output.finished else None,
+                top_logprobs=[top_alternatives(step, top_logprobs) for step in steps] if top_logprobs else None)
 
     def _sampling_seed(self, token_ids: list[int]) -> int:
         """A sampling seed from the policy version, the prompt ids and how many generations of that
@@ -258,6 +276,12 @@ def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:
         label = spans[span_index].version
         versions.append(int(label) if label.lstrip("-").isdigit() else 0)
     return versions
+
+
+def top_alternatives(step: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one step of vLLM's log-probs (which also holds the sampled token)."""
+    ranked = sorted(step.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+    return [(token, float(entry.logprob)) for token, entry in ranked if entry.rank is not None and entry.rank <= k][:k]
 
 
 def cpu_thread_binding(cores: list[int], num_workers: int, threads_per_worker: int = 0) -> str:

@@ -108,7 +108,8 @@ class RolloutService:
                                "(counted as drift/template_rewrite)", problem)
             self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
                                             model_name=Path(self.cfg.model.path).name,
-                                            host=self.cfg.agent.endpoint_host)
+                                            host=self.cfg.agent.endpoint_host,
+                                            tool_call_parser=self.cfg.rollout.tool_call_parser)
             await self.endpoint.start()
         self.workers.attach(engine=self.engine, endpoint=self.endpoint)
         await self.workers.wait_ready()
@@ -140,7 +141,9 @@ class RolloutService:
         outcome["rank"] = self.rank
         # Sent with every outcome, so nothing here may cost more as payloads pile up: no reclaim
         # scan (the store's server thread reclaims), and /proc read about once a second.
-        outcome["rank_metrics"] = {**self.payloads.metrics(reclaim=False), **self.resources.read()}
+        outcome["rank_metrics"] = {**self.payloads.metrics(reclaim=False), **self.resources.read(),
+                                   "rollout/prompt_tokens_total": float(self.engine.prompt_tokens),
+                                   "rollout/prefill_tokens_total": float(self.engine.prefill_tokens)}
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:

@@ -6,12 +6,12 @@ import json
 
 import anthropic
 import pytest
-from aiohttp import web
 from anthropic.types import Message
+from scripted_engine import Script, ScriptedEndpoint
 
-from molt.endpoint.anthropic_api import build_message, handle_messages, parse_messages_request
-from molt.endpoint.session import Reply, RequestError
-from molt.endpoint.tool_calls import ToolCall
+from molt.endpoint.anthropic_messages import build_message, parse_messages_request
+from molt.endpoint.errors import RequestError
+from molt.endpoint.messages import Reply, ToolCall
 
 CALCULATOR = {"name": "calculator", "description": "Evaluate an arithmetic expression.",
               "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}},
@@ -34,15 +34,14 @@ def _body(**fields) -> dict:
 # -- request conversion -----------------------------------------------------------------------
 
 
-def test_tool_history_converts_to_openai_chat_in_order():
+def test_tool_history_converts_to_normalized_chat_in_order():
     parsed = parse_messages_request(_body(system="Be brief.", messages=TOOL_HISTORY, tools=[CALCULATOR]))
     assert parsed.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 3+5?"},
         {"role": "assistant", "content": "Let me compute.", "tool_calls": [
-            {"id": "toolu_01", "type": "function",
-             "function": {"name": "calculator", "arguments": '{"expression": "3+5"}'}}]},
-        {"role": "tool", "tool_call_id": "toolu_01", "content": "8"},
+            {"name": "calculator", "arguments": {"expression": "3+5"}}]},
+        {"role": "tool", "content": "8"},
         {"role": "user", "content": "Now answer."},
     ]
     assert parsed.tools == [{"type": "function", "function": {
@@ -60,27 +59,30 @@ def test_tool_results_come_first_each_as_one_message_and_blocks_join():
                                           messages=messages))
     assert parsed.messages == [
         {"role": "system", "content": "A\nB"},
-        {"role": "tool", "tool_call_id": "a", "content": "1\n2"},
-        {"role": "tool", "tool_call_id": "b", "content": "Error: boom"},
-        {"role": "tool", "tool_call_id": "c", "content": ""},
+        {"role": "tool", "content": "1\n2"},
+        {"role": "tool", "content": "Error: boom"},
+        {"role": "tool", "content": ""},
         {"role": "user", "content": "results:"},
     ]
     only_results = parse_messages_request(_body(messages=[{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "a", "content": "1"}]}]))
-    assert only_results.messages == [{"role": "tool", "tool_call_id": "a", "content": "1"}]
+    assert only_results.messages == [{"role": "tool", "content": "1"}]
     empty_turn = parse_messages_request(_body(messages=[{"role": "user", "content": []}]))
     assert empty_turn.messages == [{"role": "user", "content": ""}]
 
 
 def test_sampling_fields_and_tool_choice():
-    parsed = parse_messages_request(_body(max_tokens=5, temperature=0.5, top_p=0.9, stop_sequences=["\n\n"],
+    parsed = parse_messages_request(_body(max_tokens=5, temperature=0.5, top_p=1, top_k=-1, stop_sequences=["\n\n"],
                                           stream=True, metadata={"user_id": "u"}, tools=[CALCULATOR]))
     sampling = parsed.sampling
-    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.stop, sampling.seed) == (
-        5, 0.5, 0.9, ["\n\n"], None)
+    assert (sampling.max_tokens, sampling.temperature, sampling.stop, sampling.seed) == (5, 0.5, ("\n\n",), None)
     assert parsed.stream and len(parsed.tools) == 1
-    assert parse_messages_request(_body(tools=[CALCULATOR], tool_choice={"type": "none"})).tools is None
-    assert parse_messages_request(_body(tools=[CALCULATOR], tool_choice={"type": "auto"})).tools is not None
+    # tool_choice none keeps the tools (the prompt does not change); any / tool force a call.
+    for kind, mode in (("none", "none"), ("auto", "auto"), ("any", "required")):
+        parsed = parse_messages_request(_body(tools=[CALCULATOR], tool_choice={"type": kind}))
+        assert parsed.tools is not None and parsed.tool_choice.mode == mode
+    named = parse_messages_request(_body(tools=[CALCULATOR], tool_choice={"type": "tool", "name": "calculator"}))
+    assert (named.tool_choice.mode, named.tool_choice.name) == ("function", "calculator")
     assert parse_messages_request(_body()).sampling.temperature is None  # unset keeps the rollout's value
 
 
@@ -100,10 +102,14 @@ BAD_BODIES = {
     "tool_use without input": (_body(messages=[{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "calculator"}]}]), "messages[0].content[0].input must be an object"),
     "temperature a string": (_body(temperature="hot"), "'temperature' must be a number"),
-    "top_p zero": (_body(top_p=0), "'top_p' must be in (0, 1]"),
+    "top_p zero": (_body(top_p=0), "top_p=0 must be a number in (0, 1]"),
+    "top_p below one": (_body(top_p=0.9), "top_p=0.9 is not supported"),
+    "top_k": (_body(top_k=5), "top_k=5 is not supported"),
+    "thinking": (_body(thinking={"type": "enabled", "budget_tokens": 1024}), "'thinking' is not supported"),
     "stream not a bool": (_body(stream="yes"), "'stream' must be a boolean"),
     "tool without schema": (_body(tools=[{"name": "calculator"}]), "tools[0].input_schema must be"),
-    "forced tool choice": (_body(tools=[CALCULATOR], tool_choice={"type": "any"}), "tool_choice type 'any'"),
+    "forced tool without tools": (_body(tool_choice={"type": "any"}), "needs at least one tool"),
+    "unknown named tool": (_body(tools=[CALCULATOR], tool_choice={"type": "tool", "name": "x"}), "not in 'tools'"),
     "system a number": (_body(system=3), "system must be a string or a list of content blocks"),
 }
 
@@ -121,8 +127,7 @@ def test_bad_request_bodies_raise_request_error_400(case):
 
 def _tool_reply() -> Reply:
     call = ToolCall(id="call_abc", name="calculator", arguments='{"expression": "3+5"}')
-    return Reply(content="Let me compute.", tool_calls=[call], finish_reason="tool_calls",
-                 prompt_tokens=17, completion_tokens=9)
+    return Reply(parts=["Let me compute.", call], finish_reason="tool_calls", prompt_tokens=17, completion_tokens=9)
 
 
 def test_message_with_tool_calls_is_a_valid_sdk_message():
@@ -137,107 +142,79 @@ def test_message_with_tool_calls_is_a_valid_sdk_message():
 
 
 def test_message_stop_reasons_and_text_blocks():
-    def reply(content, finish_reason, tool_calls=()):
-        return Reply(content=content, tool_calls=list(tool_calls), finish_reason=finish_reason,
-                     prompt_tokens=1, completion_tokens=1)
+    def reply(parts, finish_reason, stop_sequence=None):
+        return Reply(parts=parts, finish_reason=finish_reason, prompt_tokens=1, completion_tokens=1,
+                     stop_sequence=stop_sequence)
 
-    assert build_message(reply("hi", "stop"), model="m")["stop_reason"] == "end_turn"
-    assert build_message(reply("hi", "length"), model="m")["stop_reason"] == "max_tokens"
+    assert build_message(reply(["hi"], "stop"), model="m")["stop_reason"] == "end_turn"
+    assert build_message(reply(["hi"], "length"), model="m")["stop_reason"] == "max_tokens"
+    stopped = build_message(reply(["hi"], "stop", "##"), model="m")
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", "##")
     # An empty answer still has its text block (agents read content[0].text); a bare call has none.
-    assert build_message(reply("", "stop"), model="m")["content"] == [{"type": "text", "text": ""}]
+    assert build_message(reply([], "stop"), model="m")["content"] == [{"type": "text", "text": ""}]
     call = ToolCall(id="call_1", name="f", arguments="{}")
-    assert [b["type"] for b in build_message(reply("", "tool_calls", [call]), model="m")["content"]] == ["tool_use"]
+    assert [b["type"] for b in build_message(reply([call], "tool_calls"), model="m")["content"]] == ["tool_use"]
+    # Text after a call keeps its place.
+    blocks = build_message(reply(["a", call, "b"], "tool_calls"), model="m")["content"]
+    assert [(b["type"], b.get("text")) for b in blocks] == [("text", "a"), ("tool_use", None), ("text", "b")]
 
 
-# -- the SDK against the route, with a scripted session: the tool_use paths -------------------
+# -- the SDK against the route, with a scripted engine: the tool_use paths --------------------
 
 
-class ScriptedSession:
-    """Stands in for a Session: replies with a fixed script and records what it was asked."""
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir):
+    from transformers import AutoTokenizer
 
-    session_id = "scripted"
-    model_name = "scripted-model"
-
-    def __init__(self, deltas: list[str], reply: Reply, fail_mid_stream: bool = False):
-        self.deltas, self.reply, self.fail_mid_stream = deltas, reply, fail_mid_stream
-        self.requests = []
-
-    async def complete(self, messages, tools, sampling):
-        self.requests.append((messages, tools, sampling))
-        return self.reply
-
-    async def stream(self, messages, tools, sampling):
-        self.requests.append((messages, tools, sampling))
-        if messages[-1]["content"] == "too long":
-            raise RequestError(400, "the conversation is 999 tokens")
-        for delta in self.deltas:
-            yield delta
-        if self.fail_mid_stream:
-            raise RequestError(503, "generation ended with 'abort'; retry the request", "api_error")
-        yield self.reply
+    server = ScriptedEndpoint(AutoTokenizer.from_pretrained(tiny_model_dir))
+    yield server
+    server.close()
 
 
-def _with_scripted_server(session: ScriptedSession, check) -> None:
-    """Serve handle_messages for `session` on loopback and run `check(client)` against it."""
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+5"}}\n</tool_call>'
 
-    async def route(request: web.Request) -> web.StreamResponse:
-        return await handle_messages(request, session)
+
+def test_sdk_reads_streamed_and_plain_tool_use_from_the_route(scripted):
+    session = scripted.open_session()
+    scripted.engine.play(Script(["Let me ", "compute.\n", CALL_TEXT]), Script(["Let me compute.\n" + CALL_TEXT]))
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/messages", route)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="k",
-                                                max_retries=0) as client:
-                await check(client)
-        finally:
-            await runner.cleanup()
+        async with anthropic.AsyncAnthropic(base_url=session.session_url, api_key=session.api_key,
+                                            max_retries=0) as client:
+            request = dict(model="any", max_tokens=64, messages=TOOL_HISTORY, tools=[CALCULATOR])
+            async with client.messages.stream(**request) as stream:
+                texts = [text async for text in stream.text_stream]
+                final = await stream.get_final_message()
+            return texts, final, await client.messages.create(**request)
 
-    asyncio.run(main())
-
-
-def test_sdk_reads_streamed_and_plain_tool_use_from_the_route():
-    session = ScriptedSession(["Let me ", "compute."], _tool_reply())
-
-    async def check(client):
-        request = dict(model="any", max_tokens=8, messages=TOOL_HISTORY, tools=[CALCULATOR])
-        async with client.messages.stream(**request) as stream:
-            texts = [text async for text in stream.text_stream]
-            final = await stream.get_final_message()
-        assert texts == ["Let me ", "compute."]
-        assert [block.type for block in final.content] == ["text", "tool_use"]
-        assert final.content[0].text == "Let me compute."
-        assert final.content[1].input == {"expression": "3+5"} and final.content[1].name == "calculator"
-        assert final.stop_reason == "tool_use" and final.model == "scripted-model"
-        assert (final.usage.input_tokens, final.usage.output_tokens) == (17, 9)
-        plain = await client.messages.create(**request)
-        assert plain.content[1].input == {"expression": "3+5"} and plain.stop_reason == "tool_use"
-        messages, tools, _ = session.requests[0]
-        assert messages[-2] == {"role": "tool", "tool_call_id": "toolu_01", "content": "8"}
-        assert tools[0]["function"]["name"] == "calculator"
-
-    _with_scripted_server(session, check)
+    texts, final, plain = asyncio.run(main())
+    scripted.endpoint.close_session(session)
+    # Text streams as it comes (trailing whitespace waits to see whether a call follows).
+    assert texts == ["Let me", " compute."]
+    assert [block.type for block in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Let me compute."
+    assert final.content[1].input == {"expression": "3+5"} and final.content[1].name == "calculator"
+    assert final.stop_reason == "tool_use" and final.model == "scripted"
+    assert final.usage.input_tokens == plain.usage.input_tokens > 0
+    assert plain.content[1].input == {"expression": "3+5"} and plain.stop_reason == "tool_use"
+    rendered = scripted.endpoint.tokenizer.decode(scripted.engine.requests[-1]["token_ids"])
+    assert "<tool_response>\n8\n</tool_response>" in rendered and '"calculator"' in rendered
 
 
-def test_sdk_gets_errors_before_and_during_a_stream():
-    async def check(client):
-        with pytest.raises(anthropic.BadRequestError) as raised:
-            await client.messages.create(model="m", max_tokens=8, stream=True,
-                                         messages=[{"role": "user", "content": "too long"}])
-        assert raised.value.body["error"] == {"type": "invalid_request_error",
-                                              "message": "the conversation is 999 tokens"}
-        stream = await client.messages.create(model="m", max_tokens=8, stream=True,
-                                              messages=[{"role": "user", "content": "hi"}])
-        with pytest.raises(anthropic.APIStatusError, match="generation ended with 'abort'"):
-            async for _ in stream:
-                pass
-
-    _with_scripted_server(ScriptedSession(["partial"], _tool_reply(), fail_mid_stream=True), check)
+def test_sdk_gets_errors_before_and_during_a_stream(scripted):
+    session = scripted.open_session(max_length=64)
+    scripted.engine.play(Script(["partial", ""], finish_reason="abort"))
+    client = anthropic.Anthropic(base_url=session.session_url, api_key=session.api_key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(model="m", max_tokens=8, stream=True,
+                               messages=[{"role": "user", "content": "word " * 100}])
+    assert raised.value.body["error"]["type"] == "invalid_request_error"
+    assert raised.value.body["error"]["message"].startswith("prompt is too long: ")
+    stream = client.messages.create(model="m", max_tokens=8, stream=True, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.APIStatusError, match="generation ended with 'abort'"):
+        for _ in stream:
+            pass
+    scripted.endpoint.close_session(session)
 
 
 # -- the real endpoint and engine -------------------------------------------------------------
@@ -380,7 +357,8 @@ def test_context_overflow_is_a_400_in_anthropic_shape(endpoint, stream):
             client.messages.create(model=session.model_name, max_tokens=8, stream=stream,
                                    messages=[{"role": "user", "content": "word " * 200}])
         assert raised.value.body["error"]["type"] == "invalid_request_error"
-        assert "rollout.max_length" in raised.value.body["error"]["message"]
+        assert raised.value.body["error"]["message"].startswith("prompt is too long: ")
+        assert session.context_exhausted
     finally:
         endpoint.close_session(session)
 

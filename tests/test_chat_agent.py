@@ -1,6 +1,6 @@
 """ChatAgentRunner: agents that drive the real OpenAI/Anthropic SDKs become experiences."""
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from molt.agents import ChatAgent, ChatAgentRunner, Result, RolloutRequest, SamplingParams
 from molt.agents.env import run_with_timeout
@@ -76,3 +76,82 @@ def test_sessions_are_closed_after_the_rollout(engine, endpoint):
     before = set(endpoint.endpoint.sessions)
     _run(engine, endpoint, CompactingAgent)
     assert set(endpoint.endpoint.sessions) == before
+
+
+class OutgrowingAgent(ChatAgent):
+    """Talks until the conversation no longer fits; `catch` decides whether it handles the error."""
+
+    catch = False
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        try:
+            for turn in range(50):
+                response = await client.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=6)
+                messages += [{"role": "assistant", "content": response.choices[0].message.content or ""},
+                             {"role": "user", "content": f"tell me more, turn {turn} " * 3}]
+        except BadRequestError as error:
+            assert error.code == "context_length_exceeded", error
+            if not OutgrowingAgent.catch:
+                raise
+        return Result(reward=0.5)
+
+
+def _short_request() -> RolloutRequest:
+    request = _request()
+    request.max_length = 96
+    return request
+
+
+def test_an_exhausted_context_keeps_the_captured_turns_as_truncated(engine, endpoint):
+    for catch, reward in ((True, 0.5), (False, -1.0)):
+        OutgrowingAgent.catch = catch
+        runner = ChatAgentRunner(OutgrowingAgent)
+        runner.endpoint, runner.context_exhausted_reward = endpoint.endpoint, -1.0
+        outcome = engine.run(run_with_timeout(runner, _short_request(), engine.engine, engine.engine.tokenizer, 60))
+        assert outcome.failure == "", outcome.error
+        (experience,) = outcome.experiences
+        assert experience.truncated and experience.reward == reward
+        assert outcome.ledger["continued"] >= 1 and sum(experience.action_mask) > 0
+
+
+def test_an_exhausted_context_fails_the_rollout_when_asked(engine, endpoint):
+    OutgrowingAgent.catch = True
+    runner = ChatAgentRunner(OutgrowingAgent)
+    runner.endpoint, runner.on_context_exhausted = endpoint.endpoint, "fail"
+    outcome = engine.run(run_with_timeout(runner, _short_request(), engine.engine, engine.engine.tokenizer, 60))
+    assert outcome.failure == "context_exhausted" and "rollout.max_length=96" in outcome.error
+
+
+class SeededAgent(ChatAgent):
+    replies: list[list[int]] = []
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=list(ctx.messages), max_tokens=12,
+                                             seed=1234)
+        return Result(reward=0.0)
+
+
+def test_a_request_seed_does_not_make_a_groups_samples_identical(engine, endpoint):
+    outcomes = [_run(engine, endpoint, SeededAgent, _request(rollout_id=index)) for index in range(4)]
+    samples = {tuple(t for t, a in zip(o.experiences[0].token_ids, o.experiences[0].action_mask) if a)
+               for o in outcomes}
+    assert len(samples) > 1
+
+
+class TemperatureAgent(ChatAgent):
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=list(ctx.messages), max_tokens=6,
+                                             temperature=0.7)
+        return Result(reward=0.0)
+
+
+def test_an_agents_own_temperature_reaches_the_experience(engine, endpoint):
+    (experience,) = _run(engine, endpoint, TemperatureAgent).experiences
+    assert [t for t, a in zip(experience.temperatures, experience.action_mask) if a] == \
+        [0.7] * sum(experience.action_mask)
+    (default,) = _run(engine, endpoint, CompactingAgent).experiences[:1]
+    assert default.temperatures is None  # sampled at rollout.temperature: nothing extra to ship

@@ -21,10 +21,13 @@ from molt.endpoint.server import SessionEndpoint
 
 ROUTES = {  # route -> (method, error shape)
     "chat/completions": ("POST", "openai"),
+    "responses": ("POST", "openai"),
     "messages": ("POST", "anthropic"),
+    "messages/count_tokens": ("POST", "anthropic"),
     "models": ("GET", "openai"),
 }
 CHAT_BODY = {"model": "molt-tiny", "messages": [{"role": "user", "content": "3+5="}], "max_tokens": 4}
+BODIES = {"responses": {"model": "molt-tiny", "input": "3+5=", "max_output_tokens": 4}}
 
 
 def _call(url: str, method: str, *, key: str | None = None, body=None, header: str = "bearer",
@@ -46,7 +49,7 @@ def _call(url: str, method: str, *, key: str | None = None, body=None, header: s
 
 def _route_call(base_url: str, route: str, **kwargs) -> httpx.Response:
     method, _ = ROUTES[route]
-    body = None if method == "GET" else CHAT_BODY
+    body = None if method == "GET" else BODIES.get(route, CHAT_BODY)
     return _call(f"{base_url}/{route}", method, body=body, **kwargs)
 
 
@@ -181,8 +184,8 @@ def test_there_are_no_control_routes(endpoint, two_sessions, path):
 
 def test_the_router_has_only_the_api_routes(endpoint):
     routes = {(route.method, route.resource.canonical) for route in endpoint.endpoint._runner.app.router.routes()}
-    allowed = {"/health", "/s/{session_id}/v1/chat/completions", "/s/{session_id}/v1/messages",
-               "/s/{session_id}/v1/models"}
+    allowed = {"/health", "/s/{session_id}/v1/chat/completions", "/s/{session_id}/v1/responses",
+               "/s/{session_id}/v1/messages", "/s/{session_id}/v1/messages/count_tokens", "/s/{session_id}/v1/models"}
     assert {path for _, path in routes} <= allowed, routes
     assert ("POST", "/s/{session_id}/v1/chat/completions") in routes
 
@@ -271,6 +274,7 @@ def capped_endpoint(engine):
     counting_engine = CountingEngine(engine.engine)
     counting_tokenizer = CountingTokenizer(engine.engine.tokenizer)
     capped = SessionEndpoint(counting_engine, counting_tokenizer, model_name="molt-tiny", max_body_bytes=4096)
+    counting_tokenizer.num_calls = 0  # the endpoint reads the template's end-of-turn text once, at start
     engine.run(capped.start())
     yield capped, counting_engine, counting_tokenizer
     engine.run(capped.stop())

@@ -8,18 +8,16 @@ random model will not produce on its own, so the tool-call wire format is checke
 import asyncio
 import json
 import string
-import threading
 
 import httpx
 import openai
 import pytest
-from aiohttp import web
 from openai import AsyncOpenAI, OpenAI
 from openai.types.chat import ChatCompletion
 
-from molt.endpoint.openai_api import build_chat_completion, handle_chat_completions
-from molt.endpoint.session import Reply, RequestError
-from molt.endpoint.tool_calls import ToolCall
+from molt.endpoint.messages import Reply, ToolCall
+from molt.endpoint.openai_chat import build_chat_completion
+from scripted_engine import Script, ScriptedEndpoint
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Add.",
@@ -75,25 +73,24 @@ def test_max_tokens_truncation_gives_length(session):
         assert completion.usage.completion_tokens == 3, field
 
 
-def test_streaming_matches_non_streaming(endpoint, engine):
-    """Same seed, separate sessions: the streamed deltas add up to the non-streamed reply."""
-    plain_session = endpoint.open_session(max_tokens=12)
-    streamed_session = endpoint.open_session(max_tokens=12)
-    messages = [{"role": "user", "content": "2+2="}]
-    plain = sdk_client(plain_session).chat.completions.create(model="m", messages=messages, seed=5)
-    chunks = list(sdk_client(streamed_session).chat.completions.create(
-        model="m", messages=messages, seed=5, stream=True, stream_options={"include_usage": True}))
+def test_streamed_deltas_are_the_recorded_reply(endpoint, engine):
+    """The streamed content adds up to the text of exactly the tokens the session recorded."""
+    session = endpoint.open_session(max_tokens=12)
+    chunks = list(sdk_client(session).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "2+2="}], seed=5, stream=True,
+        stream_options={"include_usage": True}))
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
     assert len({chunk.id for chunk in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
     content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-    assert content == plain.choices[0].message.content
+    segment = session.all_segments()[0]
+    sampled = [token for token, is_action in zip(segment.token_ids, segment.action_mask) if is_action]
+    assert content == engine.engine.tokenizer.decode(sampled, skip_special_tokens=True)
     finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
-    assert finishes[-1] == plain.choices[0].finish_reason and not any(finishes[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(sampled)
     assert all(chunk.usage is None for chunk in chunks[:-1])
-    for opened in (plain_session, streamed_session):
-        endpoint.close_session(opened)
+    endpoint.close_session(session)
 
 
 def test_stream_helper_final_completion(session):
@@ -153,10 +150,10 @@ def test_history_with_tool_calls_and_results_is_accepted(session, engine):
     client = sdk_client(session)
     completion = client.chat.completions.create(model="m", messages=history, tools=[CALC_TOOL], max_tokens=4)
     assert completion.usage.prompt_tokens == prompt_token_count(engine, history, [CALC_TOOL])
-    # tool_choice="none" withholds the tools from the template: a shorter prompt.
-    without_tools = client.chat.completions.create(model="m", messages=history, tools=[CALC_TOOL],
+    # tool_choice="none" keeps the tools in the prompt (the rendering, and so the segment, is unchanged).
+    without_calls = client.chat.completions.create(model="m", messages=history, tools=[CALC_TOOL],
                                                    tool_choice="none", max_tokens=4)
-    assert without_tools.usage.prompt_tokens == prompt_token_count(engine, history)
+    assert without_calls.usage.prompt_tokens == completion.usage.prompt_tokens
     streamed = list(client.chat.completions.create(model="m", messages=history, tools=[CALC_TOOL],
                                                    max_tokens=4, stream=True))
     assert streamed[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -185,8 +182,17 @@ BAD_REQUESTS = [
     ("stream_not_bool", {"body": {"model": "m", "messages": USER_TURN, "stream": "yes"}}, "'stream' must be a boolean"),
     ("stop_wrong_type", {"body": {"model": "m", "messages": USER_TURN, "stop": [1]}}, "'stop' must be a string"),
     ("tools_not_functions", {"body": {"model": "m", "messages": USER_TURN, "tools": [{"type": "web"}]}}, "tools[0]"),
-    ("tool_choice_required", {"body": {"model": "m", "messages": USER_TURN, "tool_choice": "required"}},
-     "tool_choice"),
+    ("tool_choice_required_without_tools", {"body": {"model": "m", "messages": USER_TURN, "tool_choice": "required"}},
+     "needs at least one tool"),
+    ("tool_choice_unknown_function", {"body": {"model": "m", "messages": USER_TURN, "tools": [CALC_TOOL],
+                                               "tool_choice": {"type": "function", "function": {"name": "x"}}}},
+     "not in 'tools'"),
+    ("top_p_below_one", {"body": {"model": "m", "messages": USER_TURN, "top_p": 0.9}}, "top_p=0.9 is not supported"),
+    ("top_k", {"body": {"model": "m", "messages": USER_TURN, "top_k": 40}}, "top_k=40 is not supported"),
+    ("greedy", {"body": {"model": "m", "messages": USER_TURN, "temperature": 0}}, "temperature=0"),
+    ("penalty", {"body": {"model": "m", "messages": USER_TURN, "presence_penalty": 0.5}}, "presence_penalty"),
+    ("top_logprobs_without_logprobs", {"body": {"model": "m", "messages": USER_TURN, "top_logprobs": 2}},
+     "needs logprobs=true"),
     ("two_choices", {"body": {"model": "m", "messages": USER_TURN, "n": 2}}, "n=2 is not supported"),
 ]
 
@@ -217,79 +223,42 @@ def test_sdk_typed_errors_for_n_and_empty_messages(session):
     assert client.chat.completions.create(model="m", messages=USER_TURN, max_tokens=2).choices
 
 
-# -- tool calls and the wire format, with a scripted session ----------------------------------
-
-
-class ScriptedSession:
-    """Stands in for a Session: yields the scripted deltas and reply (or raises the error)."""
-
-    model_name = "scripted"
-    session_id = "scripted"
-
-    def __init__(self, items: list):
-        self.items = items
-        self.requests = []
-
-    async def stream(self, messages, tools, sampling):
-        self.requests.append((messages, tools, sampling))
-        for item in self.items:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    async def complete(self, messages, tools, sampling):
-        async for item in self.stream(messages, tools, sampling):
-            if isinstance(item, Reply):
-                return item
-
-
-class ScriptedServer:
-    """An aiohttp app on its own loop thread routing /s/<name>/v1/chat/completions to scripted sessions."""
-
-    def __init__(self):
-        self.sessions: dict[str, ScriptedSession] = {}
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-
-    async def _start(self) -> int:
-        async def route(request):
-            return await handle_chat_completions(request, self.sessions[request.match_info["name"]])
-
-        app = web.Application()
-        app.router.add_post("/s/{name}/v1/chat/completions", route)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
-
-    def add(self, name: str, items: list) -> str:
-        self.sessions[name] = ScriptedSession(items)
-        return f"http://127.0.0.1:{self.port}/s/{name}/v1"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+# -- tool calls and the wire format, with a scripted engine -------------------------------------
 
 
 @pytest.fixture(scope="module")
-def scripted():
-    server = ScriptedServer()
+def scripted(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    server = ScriptedEndpoint(AutoTokenizer.from_pretrained(tiny_model_dir))
     yield server
     server.close()
 
 
-def tool_reply(content: str = "") -> Reply:
-    return Reply(content=content, finish_reason="tool_calls", prompt_tokens=20, completion_tokens=30, tool_calls=[
-        ToolCall(id="call_a1", name="calc", arguments='{"e": "3+5"}'),
-        ToolCall(id="call_b2", name="calc", arguments='{"e": "é+1"}')])
+@pytest.fixture
+def scripted_session(scripted):
+    opened = scripted.open_session()
+    yield opened
+    scripted.endpoint.close_session(opened)
+
+
+def scripted_client(session) -> OpenAI:
+    return OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+
+
+def call_text(expression: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "calc", "arguments": {"e": expression}}, ensure_ascii=False) + \
+        "\n</tool_call>"
+
+
+TWO_CALLS = call_text("3+5") + "\n" + call_text("é+1")
 
 
 def test_response_builder_with_tool_calls_parses_as_the_sdk_type():
-    body = build_chat_completion(tool_reply(), model="m", completion_id="chatcmpl-x", created=7)
+    reply = Reply(parts=[ToolCall(id="call_a1", name="calc", arguments='{"e": "3+5"}'),
+                         ToolCall(id="call_b2", name="calc", arguments='{"e": "é+1"}')],
+                  finish_reason="tool_calls", prompt_tokens=20, completion_tokens=30)
+    body = build_chat_completion(reply, model="m", completion_id="chatcmpl-x", created=7)
     completion = ChatCompletion.model_validate(body)
     message = completion.choices[0].message
     assert message.content is None and completion.choices[0].finish_reason == "tool_calls"
@@ -297,26 +266,28 @@ def test_response_builder_with_tool_calls_parses_as_the_sdk_type():
             for call in message.tool_calls] == [("call_a1", "function", "calc", {"e": "3+5"}),
                                                 ("call_b2", "function", "calc", {"e": "é+1"})]
     assert completion.usage.total_tokens == 50
-    assert build_chat_completion(tool_reply("Let me see."), model="m")["choices"][0]["message"]["content"] == \
-        "Let me see."
+    reply.parts.insert(0, "Let me see.")
+    assert build_chat_completion(reply, model="m")["choices"][0]["message"]["content"] == "Let me see."
 
 
-def test_tool_calls_through_the_sdk_non_streaming(scripted):
-    client = OpenAI(base_url=scripted.add("tools_plain", [tool_reply()]), api_key="k", max_retries=0)
-    completion = client.chat.completions.create(model="m", messages=USER_TURN, tools=[CALC_TOOL], temperature=0.5,
-                                                top_p=0.9, stop="\n", seed=11, max_completion_tokens=20)
+def test_tool_calls_and_sampling_fields_through_the_sdk(scripted, scripted_session):
+    scripted.engine.play(Script([TWO_CALLS]))
+    completion = scripted_client(scripted_session).chat.completions.create(
+        model="m", messages=USER_TURN, tools=[CALC_TOOL], temperature=0.5, top_p=1, stop="\n\n", seed=11,
+        max_completion_tokens=20)
     message = completion.choices[0].message
-    assert message.content is None
-    assert [call.function.name for call in message.tool_calls] == ["calc", "calc"]
-    messages, tools, sampling = scripted.sessions["tools_plain"].requests[0]
-    assert messages == USER_TURN and tools == [CALC_TOOL]
-    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.stop, sampling.seed) == \
-        (20, 0.5, 0.9, ["\n"], 11)
+    assert message.content is None and completion.choices[0].finish_reason == "tool_calls"
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls] == \
+        [("calc", {"e": "3+5"}), ("calc", {"e": "é+1"})]
+    request = scripted.engine.requests[-1]
+    assert (request["sampling"].max_tokens, request["sampling"].temperature, request["stop"]) == (20, 0.5, ["\n\n"])
+    # The request's seed is mixed with the session's, so sessions of one group sample differently.
+    assert request["seed"] is not None and request["seed"] != 11
 
 
-def test_tool_calls_through_the_stream_helper(scripted):
-    base_url = scripted.add("tools_stream", ["Let me ", "check.", tool_reply("Let me check.")])
-    client = OpenAI(base_url=base_url, api_key="k", max_retries=0)
+def test_tool_calls_through_the_stream_helper(scripted, scripted_session):
+    scripted.engine.play(Script(["Let me ", "check.\n", TWO_CALLS[:20], TWO_CALLS[20:]]))
+    client = scripted_client(scripted_session)
     with client.chat.completions.stream(model="m", messages=USER_TURN, tools=[CALC_TOOL],
                                         stream_options={"include_usage": True}) as stream:
         events = list(stream)
@@ -327,39 +298,28 @@ def test_tool_calls_through_the_stream_helper(scripted):
                      "tool_calls.function.arguments.delta", "tool_calls.function.arguments.done",
                      "tool_calls.function.arguments.done"]
     done = [event for event in events if event.type == "tool_calls.function.arguments.done"]
-    assert [(event.index, event.name, event.arguments) for event in done] == \
-        [(0, "calc", '{"e": "3+5"}'), (1, "calc", '{"e": "é+1"}')]
+    assert [(event.index, event.name, json.loads(event.arguments)) for event in done] == \
+        [(0, "calc", {"e": "3+5"}), (1, "calc", {"e": "é+1"})]
     message = final.choices[0].message
     assert message.content == "Let me check." and final.choices[0].finish_reason == "tool_calls"
-    assert [call.id for call in message.tool_calls] == ["call_a1", "call_b2"]
-    assert final.usage.total_tokens == 50
+    assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
 
 
-def test_streamed_tool_only_reply_has_null_content_like_the_plain_one(scripted):
-    client = OpenAI(base_url=scripted.add("tools_only", [tool_reply()]), api_key="k", max_retries=0)
+def test_streamed_tool_only_reply_has_null_content_like_the_plain_one(scripted, scripted_session):
+    scripted.engine.play(Script([TWO_CALLS]), Script([TWO_CALLS]))
+    client = scripted_client(scripted_session)
     chunks = list(client.chat.completions.create(model="m", messages=USER_TURN, tools=[CALC_TOOL], stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
     calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
-    assert [(call.index, call.id, call.function.name) for call in calls] == [(0, "call_a1", "calc"),
-                                                                             (1, "call_b2", "calc")]
+    assert [(call.index, call.function.name) for call in calls] == [(0, "calc"), (1, "calc")]
     with client.chat.completions.stream(model="m", messages=USER_TURN, tools=[CALC_TOOL]) as stream:
         assert stream.get_final_completion().choices[0].message.content is None
 
 
-def test_content_the_deltas_held_back_arrives_before_the_end(scripted):
-    """A botched tool-call block is held back while streaming but is part of the reply's content."""
-    content = "Hi <tool_call>{oops</tool_call>"
-    base_url = scripted.add("held_back", ["Hi ", Reply(content=content, tool_calls=[], finish_reason="stop",
-                                                       prompt_tokens=3, completion_tokens=9)])
-    client = OpenAI(base_url=base_url, api_key="k", max_retries=0)
-    with client.chat.completions.stream(model="m", messages=USER_TURN) as stream:
-        assert stream.get_final_completion().choices[0].message.content == content
-
-
-def test_sse_wire_format(scripted):
-    base_url = scripted.add("wire", ["a", "b", Reply(content="ab", tool_calls=[], finish_reason="length",
-                                                     prompt_tokens=2, completion_tokens=2)])
-    response = httpx.post(f"{base_url}/chat/completions", json={"messages": USER_TURN, "stream": True})
+def test_sse_wire_format(scripted, scripted_session):
+    scripted.engine.play(Script(["a", "b"], finish_reason="length"))
+    response = httpx.post(f"{scripted_session.base_url}/chat/completions", json={"messages": USER_TURN, "stream": True},
+                          headers={"Authorization": f"Bearer {scripted_session.api_key}"})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     events = response.text.split("\n\n")
@@ -372,17 +332,48 @@ def test_sse_wire_format(scripted):
     assert all("usage" not in chunk for chunk in chunks)
 
 
-def test_errors_before_and_during_a_stream(scripted):
-    early = scripted.add("early_error", [RequestError(400, "messages[0].role='x' is not valid")])
-    with pytest.raises(openai.BadRequestError, match="is not valid"):
-        list(OpenAI(base_url=early, api_key="k", max_retries=0).chat.completions.create(
-            model="m", messages=USER_TURN, stream=True))
-    late = scripted.add("late_error", ["partial", RequestError(503, "generation ended with 'abort'", "api_error")])
-    stream = OpenAI(base_url=late, api_key="k", max_retries=0).chat.completions.create(
-        model="m", messages=USER_TURN, stream=True)
+def test_errors_before_and_during_a_stream(scripted, scripted_session):
+    client = scripted_client(scripted_session)
+    with pytest.raises(openai.BadRequestError, match="is not one of"):
+        list(client.chat.completions.create(model="m", messages=[{"role": "x", "content": "?"}], stream=True))
+    scripted.engine.play(Script(["partial", ""], finish_reason="abort"))
     with pytest.raises(openai.APIError, match="abort"):
-        list(stream)
-    broken = scripted.add("broken", [RuntimeError("engine exploded")])
+        list(client.chat.completions.create(model="m", messages=USER_TURN, stream=True))
+    scripted.engine.play(Script(["x"], error=RuntimeError("engine exploded")))
     with pytest.raises(openai.InternalServerError) as caught:
-        OpenAI(base_url=broken, api_key="k", max_retries=0).chat.completions.create(model="m", messages=USER_TURN)
+        client.chat.completions.create(model="m", messages=USER_TURN)
     assert caught.value.body["type"] == "api_error"
+
+
+def test_logprobs_and_top_logprobs(scripted, scripted_session):
+    scripted.engine.play(Script(["ab", "c"]), Script(["ab", "c"]))
+    client = scripted_client(scripted_session)
+    completion = client.chat.completions.create(model="m", messages=USER_TURN, logprobs=True, top_logprobs=1)
+    tokens = completion.choices[0].logprobs.content
+    assert "".join(token.token for token in tokens) == "abc"
+    assert all(token.logprob == -0.5 and len(token.top_logprobs) == 1 for token in tokens)
+    assert scripted.engine.requests[-1]["top_logprobs"] == 1
+    chunks = list(client.chat.completions.create(model="m", messages=USER_TURN, logprobs=True, stream=True))
+    streamed = [token for chunk in chunks for token in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs
+                                                        else [])]
+    assert [token.token for token in streamed] == [token.token for token in tokens]
+    scripted.engine.play(Script(["z"]))
+    assert client.chat.completions.create(model="m", messages=USER_TURN).choices[0].logprobs is None
+
+
+def test_response_format_and_forced_tools_become_engine_constraints(scripted, scripted_session):
+    client = scripted_client(scripted_session)
+    scripted.engine.play(Script(['{"a": 1}']), Script([call_text("1")]), Script([call_text("2")]))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.chat.completions.create(model="m", messages=USER_TURN, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert scripted.engine.requests[-1]["constraint"] == {"json": schema}
+    required = client.chat.completions.create(model="m", messages=USER_TURN, tools=[CALC_TOOL], tool_choice="required")
+    assert required.choices[0].message.tool_calls[0].function.name == "calc"
+    tag = json.loads(scripted.engine.requests[-1]["constraint"]["structural_tag"])
+    assert tag["format"]["at_least_one"] and tag["format"]["tags"][0]["begin"].startswith("<tool_call>")
+    client.chat.completions.create(model="m", messages=USER_TURN, tools=[CALC_TOOL],
+                                   tool_choice={"type": "function", "function": {"name": "calc"}})
+    tag = json.loads(scripted.engine.requests[-1]["constraint"]["structural_tag"])
+    assert tag["format"]["type"] == "tag" and '"calc"' in tag["format"]["begin"]
+    assert scripted_session.ledger.counts["constrained"] == 3

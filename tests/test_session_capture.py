@@ -1,10 +1,14 @@
 """Token-exact capture and segments (DESIGN section 4), on the real engine through Session."""
 
+import asyncio
 import copy
 
 import pytest
 
-from molt.endpoint.session import RequestError, Sampling, Session
+from molt.endpoint.errors import ContextLengthExceeded, RequestError
+from molt.endpoint.messages import ChatRequest, Sampling, normalize_messages
+from molt.endpoint.session import Session
+from molt.endpoint.template_check import TemplateError, turn_end_text
 
 
 class RecordingEngine:
@@ -30,15 +34,19 @@ def _session(engine, tokenizer=None, max_length=256, max_tokens=8) -> tuple[Sess
     from molt.agents.base import SamplingParams
 
     recorder = RecordingEngine(engine.engine)
-    session = Session(session_id="s", api_key="k", model_name="m", engine=recorder,
-                      tokenizer=tokenizer or engine.engine.tokenizer,
+    tokenizer = tokenizer or engine.engine.tokenizer
+    session = Session(session_id="s", api_key="k", model_name="m", engine=recorder, tokenizer=tokenizer,
                       sampling=SamplingParams(max_tokens=max_tokens), max_length=max_length,
-                      base_url="http://127.0.0.1:1/s/s")
+                      base_url="http://127.0.0.1:1/s/s", turn_end=turn_end_text(tokenizer))
     return session, recorder
 
 
-def _ask(engine, session, messages, tools=None, **sampling):
-    return engine.run(session.complete(messages, tools, Sampling(**sampling)))
+def _request(messages, tools=None, *, retry=False, **sampling) -> ChatRequest:
+    return ChatRequest(messages=normalize_messages(messages), tools=tools, sampling=Sampling(**sampling), retry=retry)
+
+
+def _ask(engine, session, messages, tools=None, **options):
+    return engine.run(session.complete(_request(messages, tools, **options)))
 
 
 def _action_runs(segment) -> list[list[int]]:
@@ -128,14 +136,62 @@ def test_a_template_that_rewrites_history_forces_a_new_segment(engine):
     assert len(session.all_segments()) == 2
 
 
-def test_an_identical_retry_returns_the_cached_reply_and_records_nothing(engine):
+def test_only_a_retry_the_client_marks_returns_the_cached_reply(engine):
     session, recorder = _session(engine)
     messages = [{"role": "user", "content": "3+5="}]
     first = _ask(engine, session, messages)
     tokens = list(session.current.token_ids)
-    again = _ask(engine, session, messages)
+    again = _ask(engine, session, messages, retry=True)  # x-stainless-retry-count > 0
     assert again == first and session.current.token_ids == tokens and len(recorder.sampled) == 1
     assert session.ledger.counts["retry"] == 1
+    # The same request unmarked is a new sample (an agent drawing candidates): a new segment.
+    _ask(engine, session, messages)
+    assert len(recorder.sampled) == 2 and len(session.all_segments()) == 2
+    assert session.ledger.counts["history_rewrite"] == 1
+
+
+def test_overlapping_requests_each_land_in_exactly_one_segment(engine):
+    """Two calls at once in one session are served one after the other; the second does not extend
+    the first's reply, so it opens its own segment, and both replies are recorded."""
+    session, recorder = _session(engine)
+
+    async def both():
+        return await asyncio.gather(session.complete(_request([{"role": "user", "content": "3+5="}])),
+                                    session.complete(_request([{"role": "user", "content": "2+2="}])))
+
+    engine.run(both())
+    segments = session.all_segments()
+    assert [_action_runs(s) for s in segments] == [[recorder.sampled[0]], [recorder.sampled[1]]]
+    assert session.ledger.counts == {"first_turn": 1, "history_rewrite": 1}
+
+
+def test_each_token_records_the_temperature_it_was_sampled_at(engine):
+    session, _ = _session(engine)
+    messages = [{"role": "user", "content": "3+5="}]
+    reply = _ask(engine, session, messages, temperature=0.7)
+    _ask(engine, session, messages + [{"role": "assistant", "content": reply.content},
+                                      {"role": "user", "content": "again"}])
+    (segment,) = session.all_segments()
+    runs = _action_runs(segment)
+    temperatures = [t for t, is_action in zip(segment.temperatures, segment.action_mask) if is_action]
+    assert temperatures == [0.7] * len(runs[0]) + [1.0] * len(runs[1])
+    assert segment.action_temperatures_or_none(1.0) == segment.temperatures
+    assert segment.action_temperatures_or_none(0.7) == segment.temperatures
+
+
+def test_a_template_that_leaves_the_final_turn_open_is_refused(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert turn_end_text(tokenizer) == "<|im_end|>\n"
+    # Closes assistant turns only when more messages follow: the end-of-turn would be taken from
+    # the previous turn and the reply recorded twice.
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if not (loop.last and m.role == 'assistant') %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(TemplateError, match="unclosed"):
+        turn_end_text(tokenizer)
 
 
 def test_a_failed_generation_records_nothing(engine):
@@ -154,10 +210,10 @@ def test_a_failed_generation_records_nothing(engine):
 
 def test_context_overflow_is_a_400_and_records_nothing(engine):
     session, _ = _session(engine, max_length=16)
-    with pytest.raises(RequestError) as error:
+    with pytest.raises(ContextLengthExceeded) as error:
         _ask(engine, session, [{"role": "user", "content": "a long question " * 10}])
-    assert error.value.status == 400 and "context" in error.value.message
-    assert session.all_segments() == []
+    assert error.value.status == 400 and error.value.code == "context_length_exceeded"
+    assert session.all_segments() == [] and session.context_exhausted
 
 
 def test_a_reply_cut_at_max_tokens_has_a_logprob_per_token_and_continues_cleanly(engine):

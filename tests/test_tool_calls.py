@@ -1,62 +1,141 @@
+"""The incremental tool-call parser: its rules, and that any chunking of a text gives the same parts."""
+
 import json
 
-from molt.endpoint.tool_calls import parse_tool_calls
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from molt.endpoint.messages import ToolCall
+from molt.endpoint.tool_calls import ToolCallParser, build_tool_call_parser_factory, parse_all
 
 
 def block(body: str) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-def test_plain_text_has_no_calls():
-    assert parse_tool_calls("  The answer is 8.\n") == ("The answer is 8.", [])
+def call_block(name: str, **arguments) -> str:
+    return block(json.dumps({"name": name, "arguments": arguments}))
+
+
+def shape(parts) -> list:
+    """Parts with each call as (name, arguments) (ids are random per parse)."""
+    return [(p.name, json.loads(p.arguments)) if isinstance(p, ToolCall) else p for p in parts]
+
+
+def test_plain_text_is_kept_as_written():
+    assert parse_all("  The answer is 8.\n") == ["  The answer is 8.\n"]
 
 
 def test_one_call_in_the_template_format():
-    text = block('{"name": "calculator", "arguments": {"expression": "3+5"}}')
-    content, calls = parse_tool_calls(text)
-    assert content == ""
-    assert len(calls) == 1
-    assert calls[0].name == "calculator"
-    assert json.loads(calls[0].arguments) == {"expression": "3+5"}
-    assert calls[0].id.startswith("call_") and len(calls[0].id) > len("call_")
+    parts = parse_all(call_block("calculator", expression="3+5"))
+    assert shape(parts) == [("calculator", {"expression": "3+5"})]
+    assert parts[0].id.startswith("call_") and len(parts[0].id) > len("call_")
 
 
-def test_text_around_calls_is_the_content_and_calls_keep_their_order():
-    text = ("Let me compute.\n"
-            + block('{"name": "add", "arguments": {"a": 1, "b": 2}}') + "\n"
-            + block('{"name": "mul", "arguments": {"a": 3, "b": 4}}') + "\n")
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me compute."
-    assert [call.name for call in calls] == ["add", "mul"]
-    assert [json.loads(call.arguments) for call in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
-    assert calls[0].id != calls[1].id
+def test_text_before_between_and_after_calls_keeps_its_place():
+    text = ("Let me compute.\n" + call_block("add", a=1, b=2) + "\nand\n" + call_block("mul", a=3, b=4)
+            + "\nDone.")
+    assert shape(parse_all(text)) == ["Let me compute.", ("add", {"a": 1, "b": 2}), "and",
+                                      ("mul", {"a": 3, "b": 4}), "Done."]
 
 
-def test_arguments_are_reserialized_as_json_text():
-    content, calls = parse_tool_calls(block('{"name": "f", "arguments": {"x":[1,2],  "y": "é"}}'))
-    assert calls[0].arguments == '{"x": [1, 2], "y": "é"}'
+def test_malformed_and_cut_blocks_stay_text():
+    junk = block("not json")
+    assert parse_all("a " + junk + " b") == ["a " + junk + " b"]
+    assert parse_all(block('{"arguments": {}}')) == [block('{"arguments": {}}')]
+    assert parse_all(block('{"name": "f", "arguments": [1]}')) == [block('{"name": "f", "arguments": [1]}')]
+    cut = '<tool_call>\n{"name": "calc", "argu'
+    assert shape(parse_all("x" + call_block("f") + cut)) == ["x", ("f", {}), cut]
 
 
-def test_missing_arguments_mean_an_empty_object_and_string_arguments_are_decoded():
-    _, calls = parse_tool_calls(block('{"name": "now"}') + block('{"name": "f", "arguments": "{\\"x\\": 1}"}'))
-    assert [call.arguments for call in calls] == ["{}", '{"x": 1}']
+def test_arguments_written_as_a_json_string_are_parsed():
+    assert shape(parse_all(block('{"name": "f", "arguments": "{\\"a\\": 1}"}'))) == [("f", {"a": 1})]
 
 
-def test_invalid_json_block_stays_in_the_content():
-    bad = block('{"name": "calculator", "arguments": {"expression": ')
-    good = block('{"name": "calculator", "arguments": {"expression": "1+1"}}')
-    content, calls = parse_tool_calls(f"Hi {bad} {good}")
-    assert content == f"Hi {bad}"
-    assert len(calls) == 1 and json.loads(calls[0].arguments) == {"expression": "1+1"}
+def test_disabled_parser_returns_all_text():
+    text = call_block("f", a=1)
+    parser = ToolCallParser(enabled=False)
+    assert "".join(parser.feed(text[:5]) + parser.feed(text[5:]) + parser.finish()) == text
 
 
-def test_blocks_that_are_json_but_not_calls_stay_in_the_content():
-    for body in ['["calculator"]', '{"arguments": {}}', '{"name": 3}', '{"name": "f", "arguments": [1]}',
-                 '{"name": "f", "arguments": "not json"}']:
-        content, calls = parse_tool_calls(block(body))
-        assert calls == [] and content == block(body), body
+def test_a_partial_marker_is_held_back_until_decided():
+    parser = ToolCallParser()
+    assert parser.feed("answer <tool") == ["answer"]
+    assert parser.feed("box>") == [" <toolbox>"]
+    assert parser.finish() == []
 
 
-def test_unclosed_block_is_content():
-    text = 'Sure.\n<tool_call>\n{"name": "calculator", "argu'
-    assert parse_tool_calls(text) == (text, [])
+# -- any chunking gives the same parts -----------------------------------------------------------
+
+PIECES = st.one_of(
+    st.text(alphabet=" \nab<>/{}\"", max_size=12),
+    st.builds(lambda name, value: call_block(name, v=value), st.sampled_from(["f", "g"]), st.integers(0, 9)),
+    st.just(block("junk")),
+    st.just("<tool_call>"),
+    st.just("</tool_call>"),
+)
+
+
+def parse_in_chunks(text: str, cuts: list[int]) -> list:
+    parser = ToolCallParser()
+    parts, start = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        parts += parser.feed(text[start:cut])
+        start = cut
+    parts += parser.finish()
+    merged = []
+    for part in parts:
+        if isinstance(part, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += part
+        else:
+            merged.append(part)
+    return merged
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=8), data=st.data())
+def test_any_chunking_gives_the_parts_of_the_whole_text(pieces, data):
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
+    whole = parse_all(text)
+    assert shape(parse_in_chunks(text, cuts)) == shape(whole)
+    # Nothing is lost: the text parts and the calls' blocks cover the text up to whitespace.
+    calls = [p for p in whole if isinstance(p, ToolCall)]
+    assert len(calls) <= text.count("<tool_call>")
+    assert "".join(p for p in whole if isinstance(p, str)).replace(" ", "").replace("\n", "") == \
+        _without_parsed_blocks(text, len(calls)).replace(" ", "").replace("\n", "")
+
+
+def _without_parsed_blocks(text: str, num_calls: int) -> str:
+    """The text with its well-formed call blocks removed (as a naive one-shot parse finds them)."""
+    out, position = "", 0
+    while True:
+        start = text.find("<tool_call>", position)
+        end = text.find("</tool_call>", start) if start >= 0 else -1
+        if start < 0 or end < 0:
+            return out + text[position:]
+        body = text[start + len("<tool_call>"):end]
+        try:
+            call = json.loads(body)
+            parsed = isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"] \
+                and isinstance(call.get("arguments", {}), dict)
+        except json.JSONDecodeError:
+            parsed = False
+        out += text[position:start] + ("" if parsed else text[start:end + len("</tool_call>")])
+        position = end + len("</tool_call>")
+
+
+def test_a_vllm_parser_by_name_reads_the_whole_reply(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    parser = build_tool_call_parser_factory("pythonic", tokenizer)(True)
+    assert parser.feed('[calc(e="1+') == [] and parser.feed('1")]') == []
+    assert shape(parser.finish()) == [("calc", {"e": "1+1"})]
+    disabled = build_tool_call_parser_factory("pythonic", tokenizer)(False)
+    assert disabled.feed("[calc()]") == ["[calc()]"]
+    with pytest.raises(ValueError, match="not a vLLM tool parser"):
+        build_tool_call_parser_factory("no-such-format", tokenizer)
+    with pytest.raises(ValueError, match="does not fit model.path's tokenizer"):
+        build_tool_call_parser_factory("mistral", tokenizer)

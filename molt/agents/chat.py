@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from molt.agents.base import AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, SamplingParams
+from molt.agents.base import AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest, SamplingParams
 from molt.experience import Experience, Segment
 
 
@@ -44,6 +44,7 @@ class SessionRecord:
 
     segments: list[Segment]  # in order; each becomes one experience
     ledger: dict[str, int] = field(default_factory=dict)  # turns by how they joined a segment
+    context_exhausted: bool = False  # a request no longer fit rollout.max_length
 
 
 class SessionHost(Protocol):
@@ -57,13 +58,21 @@ class SessionHost(Protocol):
 
 
 class ChatAgentRunner(AgentRunnerBase):
-    """Opens a session per rollout, runs the agent, and turns the session's segments into experiences."""
+    """Opens a session per rollout, runs the agent, and turns the session's segments into experiences.
+
+    When the conversation outgrew rollout.max_length (the endpoint answered with the API's
+    context-length error), `on_context_exhausted` decides: 'train_truncated' keeps what was
+    captured, marked truncated, with the agent's reward, or `context_exhausted_reward` when the
+    agent raised; 'fail' fails the rollout (reason 'context_exhausted'). The agent worker sets both
+    from agent.on_context_exhausted and agent.context_exhausted_reward."""
 
     def __init__(self, agent_class: type[ChatAgent]):
         if not (isinstance(agent_class, type) and issubclass(agent_class, ChatAgent)):
             raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_class!r}")
         self.agent_class = agent_class
         self.endpoint: SessionHost | None = None  # attached by the agent worker
+        self.on_context_exhausted = "train_truncated"
+        self.context_exhausted_reward = 0.0
 
     async def run(self, request: RolloutRequest, sampler, tokenizer) -> RolloutOutcome:
         if self.endpoint is None:
@@ -75,23 +84,41 @@ class ChatAgentRunner(AgentRunnerBase):
                               prompt=_last_user_text(request.messages), label=request.label, tools=request.tools,
                               images=None, sampling_params=request.sampling, max_length=request.max_length,
                               session_id=session.session_id)
-            result = await self.agent_class().run(ctx)
+            error = None
+            try:
+                result = await self.agent_class().run(ctx)
+            except Exception as raised:
+                error = raised
         finally:
             record = await self.endpoint.end_session(session)
+        if record.context_exhausted:
+            if self.on_context_exhausted == "fail":
+                raise ContextExhausted(f"the conversation outgrew rollout.max_length={request.max_length} tokens "
+                                       f"(agent.on_context_exhausted='fail')")
+            if error is not None:
+                result = Result(reward=self.context_exhausted_reward)
+            result.truncated = True
+        elif error is not None:
+            raise error
         if not isinstance(result, Result):
             raise BadResult(f"{self.agent_class.__name__}.run returned {type(result).__name__}, "
                             f"not molt.agents.Result; return Result(reward=...)")
-        score = float(result.reward if result.score is None else result.score)
-        info = {k: float(v) for k, v in result.info.items()}
-        experiences = [
-            Experience(token_ids=segment.token_ids, action_mask=segment.action_mask,
+        return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id,
+                              experiences=build_experiences(record.segments, result, request),
+                              ledger=dict(record.ledger))
+
+
+def build_experiences(segments: list[Segment], result: Result, request: RolloutRequest) -> list[Experience]:
+    """One experience per segment, all with the rollout's reward."""
+    score = float(result.reward if result.score is None else result.score)
+    info = {k: float(v) for k, v in result.info.items()}
+    return [Experience(token_ids=segment.token_ids, action_mask=segment.action_mask,
                        behavior_logprobs=segment.logprobs, policy_versions=segment.versions,
+                       temperatures=segment.action_temperatures_or_none(request.sampling.temperature),
                        reward=float(result.reward), score=score, group_id=request.group_id,
                        rollout_id=request.rollout_id, segment_index=index,
                        truncated=segment.truncated or result.truncated, info=info)
-            for index, segment in enumerate(record.segments)]
-        return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=experiences,
-                              ledger=dict(record.ledger))
+            for index, segment in enumerate(segments)]
 
 
 def _last_user_text(messages: list[dict]) -> str:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from molt.agents.base import (AgentRunnerBase, BadResult, Result, RolloutOutcome, RolloutRequest, Sampler,
+from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest, Sampler,
                               SamplingParams)
 from molt.experience import Experience, Segment
 
@@ -59,7 +59,8 @@ class StepEnvRunner(AgentRunnerBase):
             sampling = SamplingParams(max_tokens=budget, temperature=request.sampling.temperature,
                                       top_p=request.sampling.top_p)
             generation = await sampler.generate(trace.token_ids, sampling)
-            trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions)
+            trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions,
+                             temperature=request.sampling.temperature)
             action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
                                               label=request.label, turn=turn, sampling_params=sampling))
@@ -124,6 +125,8 @@ async def run_with_timeout(runner: AgentRunnerBase, request: RolloutRequest, sam
         return failed("timeout", f"rollout exceeded agent.rollout_timeout_seconds={timeout_seconds}")
     except BadResult as error:
         return failed("bad_result", error)
+    except ContextExhausted as error:
+        return failed("context_exhausted", error)
     except PromptTooLong as error:
         return failed("prompt_too_long", error)
     except Exception as error:  # user code: any exception fails this rollout only

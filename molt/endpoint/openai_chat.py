@@ -1,205 +1,157 @@
-"""The OpenAI Chat Completions API on a capture session: request checks, the `chat.completion`
-object, and the server-sent `chat.completion.chunk` stream the OpenAI SDK (and its `.stream()`
-helper) consumes. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""The OpenAI Chat Completions API: `POST /v1/chat/completions` as the `chat.completion` object or
+the `chat.completion.chunk` event stream the OpenAI SDK (and its `.stream()` helper) consumes.
+
+Honoured: messages, tools, tool_choice, max_tokens / max_completion_tokens, temperature, top_p
+(1 only), stop, seed, n (1 only), response_format, logprobs / top_logprobs, stream,
+stream_options.include_usage. Ignored: model, user, metadata, store, parallel_tool_calls,
+frequency/presence penalties (rejected when non-zero), service_tier, reasoning_effort.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import math
 import time
 import uuid
-from contextlib import aclosing
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from molt.endpoint.session import Reply, RequestError, Sampling, Session
-
-logger = logging.getLogger("molt")
-
-
-class ParameterError(RequestError):
-    """A request field with the wrong type or value; `param` names it in the error body."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(400, message, "invalid_request_error")
-        self.param = param
+from molt.endpoint.errors import RequestError, openai_error_body
+from molt.endpoint.fields import check, json_type, number_in, optional, positive_int, sampling_temperature
+from molt.endpoint.messages import (ChatRequest, Reply, ResponseFormat, Sampling, Started, TokenLogprob,
+                                    ToolCall, ToolChoice, normalize_messages)
+from molt.endpoint.stream import handle_request
 
 
-@dataclass(kw_only=True)
-class ChatRequest:
-    """The parts of a chat completions request the session acts on."""
-
-    messages: list  # OpenAI chat messages as sent; the session validates each one
-    tools: list[dict] | None
-    sampling: Sampling
-    stream: bool
-    include_usage: bool  # streaming only: end with a usage chunk
-
-
-# -- routes -------------------------------------------------------------------------------------
-
-
-async def handle_chat_completions(request: web.Request, session: Session) -> web.StreamResponse:
+async def handle_chat_completions(request: web.Request, session) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    try:
-        chat = parse_chat_request(await read_json_object(request))
-        if chat.stream:
-            return await stream_chat_completion(request, session, chat)
-        reply = await session.complete(chat.messages, chat.tools, chat.sampling)
-    except RequestError as error:
-        return error_response(error)
-    except Exception:
-        logger.exception("chat completion failed in session %s", session.session_id)
-        return error_response(RequestError(500, "the endpoint failed to generate a reply; see the Molt log",
-                                           "api_error"))
-    return web.json_response(build_chat_completion(reply, model=session.model_name))
+    return await handle_request(request, session, CHAT_COMPLETIONS)
 
 
-async def handle_models(request: web.Request, session: Session) -> web.Response:
+async def handle_models(request: web.Request, session) -> web.Response:
     """GET /v1/models: the one model this session serves."""
     return web.json_response({"object": "list", "data": [
         {"id": session.model_name, "object": "model", "created": 0, "owned_by": "molt"}]})
 
 
-def error_response(error: RequestError) -> web.Response:
-    body = {"message": error.message, "type": error.kind, "param": getattr(error, "param", None), "code": None}
-    return web.json_response({"error": body}, status=error.status)
-
-
 # -- request ------------------------------------------------------------------------------------
 
 
-async def read_json_object(request: web.Request) -> dict:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except ValueError as error:
-        raise RequestError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {_json_type(body)}")
-    return body
-
-
 def parse_chat_request(body: dict) -> ChatRequest:
-    """Check the fields Molt honours; unknown fields (user, metadata, parallel_tool_calls...) are ignored."""
     if "messages" not in body:
-        raise ParameterError("messages", "'messages' is required: a list of chat messages")
-    if not isinstance(body["messages"], list):
-        raise ParameterError("messages", f"'messages' must be a list of chat messages, "
-                                         f"got {_json_type(body['messages'])}")
-    _optional(body, "model", str)
-    num_choices = _optional(body, "n", int)
-    if num_choices not in (None, 1):
-        raise ParameterError("n", f"n={num_choices} is not supported: a session samples one choice per request; "
-                                  f"send n=1 or leave it out")
-    max_tokens = _optional(body, "max_completion_tokens", int)
-    max_tokens_param = "max_completion_tokens"
+        raise RequestError(400, "'messages' is required: a list of chat messages", param="messages")
+    check(isinstance(body["messages"], list),
+          f"'messages' must be a list of chat messages, got {json_type(body['messages'])}", "messages")
+    optional(body, "model", str)
+    num_choices = optional(body, "n", int)
+    check(num_choices in (None, 1), f"n={num_choices} is not supported: a session samples one choice per request; "
+                                    f"send n=1 or leave it out (several requests give several samples)", "n")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        value = number_in(body, penalty, -2.0, 2.0)
+        if value:
+            raise RequestError(400, f"{penalty}={value:g} is not supported: it changes the sampled distribution, which the "
+                         f"trainer could not reproduce; leave it unset", param=penalty)
+    max_tokens = positive_int(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens, max_tokens_param = _optional(body, "max_tokens", int), "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise ParameterError(max_tokens_param, f"{max_tokens_param}={max_tokens} must be at least 1")
-    stream = bool(_optional(body, "stream", bool))
-    stream_options = _optional(body, "stream_options", dict) or {}
-    include_usage = bool(_optional(stream_options, "include_usage", bool, prefix="stream_options."))
-    return ChatRequest(messages=body["messages"], tools=_parse_tools(body), stream=stream,
-                       include_usage=include_usage,
-                       sampling=Sampling(max_tokens=max_tokens, temperature=_parse_temperature(body),
-                                         top_p=_parse_top_p(body), stop=_parse_stop(body),
-                                         seed=_optional(body, "seed", int)))
+        max_tokens = positive_int(body, "max_tokens")
+    stream_options = optional(body, "stream_options", dict) or {}
+    tools = parse_function_tools(optional(body, "tools", list) or [], nested=True)
+    return ChatRequest(
+        messages=normalize_messages(body["messages"]), tools=tools or None,
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, nested=True),
+        sampling=Sampling(max_tokens=max_tokens, temperature=sampling_temperature(body), stop=parse_stop(body),
+                          seed=optional(body, "seed", int)),
+        response_format=parse_response_format(optional(body, "response_format", dict)),
+        top_logprobs=_top_logprobs(body), stream=bool(optional(body, "stream", bool)),
+        include_usage=bool(optional(stream_options, "include_usage", bool, where="stream_options.")))
 
 
-def _parse_temperature(body: dict) -> float | None:
-    temperature = _optional(body, "temperature", float)
-    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-        raise ParameterError("temperature", f"temperature={temperature} must be a finite number >= 0")
-    return temperature
-
-
-def _parse_top_p(body: dict) -> float | None:
-    top_p = _optional(body, "top_p", float)
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ParameterError("top_p", f"top_p={top_p} must be in (0, 1]")
-    return top_p
-
-
-def _parse_stop(body: dict) -> list[str] | None:
+def parse_stop(body: dict) -> tuple[str, ...] | None:
     stop = body.get("stop")
     if stop is None:
         return None
     if isinstance(stop, str):
-        return [stop]
-    if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
-        raise ParameterError("stop", f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:200]}")
-    return stop or None
+        return (stop,)
+    check(isinstance(stop, list) and all(isinstance(item, str) for item in stop),
+          f"'stop' must be a string or a list of strings, got {json.dumps(stop)[:200]}", "stop")
+    return tuple(stop) or None
 
 
-def _parse_tools(body: dict) -> list[dict] | None:
-    """The request's tools as the chat template takes them; tool_choice 'none' withholds them."""
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise ParameterError("tool_choice", f"tool_choice={json.dumps(tool_choice)[:200]} is not supported; "
-                                            f"use 'auto' or 'none' (the model decides when to call a tool)")
-    tools = _optional(body, "tools", list)
-    for index, tool in enumerate(tools or []):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ParameterError(f"tools[{index}]", f"tools[{index}] must be an object with type 'function'")
-        function = tool.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ParameterError(f"tools[{index}].function",
-                                 f"tools[{index}].function must be an object with a non-empty string 'name'")
-    if tool_choice == "none":
+def parse_function_tools(tools: list, *, nested: bool) -> list[dict]:
+    """OpenAI function tools as the chat template takes them. `nested`: chat completions'
+    {"type": "function", "function": {...}}; otherwise the Responses API's flat form."""
+    converted = []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        check(isinstance(tool, dict) and tool.get("type") == "function",
+              f"{where} must be an object with type 'function' (got type {tool.get('type') if isinstance(tool, dict) else tool!r}); "
+              f"only function tools are supported", where)
+        function = tool.get("function") if nested else tool
+        check(isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"],
+              f"{where}{'.function' if nested else ''} must have a non-empty string 'name'", where)
+        entry = {"name": function["name"]}
+        if function.get("description") is not None:
+            entry["description"] = function["description"]
+        if function.get("parameters") is not None:
+            check(isinstance(function["parameters"], dict), f"{where} parameters must be a JSON schema object", where)
+            entry["parameters"] = function["parameters"]
+        converted.append({"type": "function", "function": entry})
+    return converted
+
+
+def parse_tool_choice(choice, tools: list[dict], *, nested: bool) -> ToolChoice:
+    """'auto' | 'none' | 'required' | a named function ({"type": "function", "function": {"name"}}
+    in chat completions, {"type": "function", "name"} in the Responses API)."""
+    if choice is None or choice in ("auto", "none", "required"):
+        mode = choice or "auto"
+        check(mode != "required" or tools, "tool_choice='required' needs at least one tool in 'tools'", "tool_choice")
+        return ToolChoice(mode=mode)
+    function = choice.get("function") if nested and isinstance(choice, dict) else choice
+    name = function.get("name") if isinstance(function, dict) else None
+    check(isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str),
+          f"tool_choice={json.dumps(choice)[:200]} must be 'auto', 'none', 'required' or a function "
+          f"by name", "tool_choice")
+    check(name in {tool["function"]["name"] for tool in tools},
+          f"tool_choice names function {name!r}, which is not in 'tools'", "tool_choice")
+    return ToolChoice(mode="function", name=name)
+
+
+def parse_response_format(response_format: dict | None, *, where: str = "response_format") -> ResponseFormat | None:
+    if response_format is None or response_format.get("type") == "text":
         return None
-    return tools or None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return ResponseFormat(kind="json_object")
+    check(kind == "json_schema", f"{where}.type={kind!r} must be 'text', 'json_object' or 'json_schema'", where)
+    # Chat completions nest the schema in json_schema; the Responses API's text.format has it flat.
+    spec = response_format.get("json_schema", response_format)
+    check(isinstance(spec, dict) and isinstance(spec.get("schema"), dict),
+          f"{where} of type json_schema needs a 'schema' object", where)
+    return ResponseFormat(kind="json_schema", schema=spec["schema"])
 
 
-def _optional(body: dict, name: str, kind: type, *, prefix: str = ""):
-    """body[name] when it is present and not null, checked to be of JSON type `kind`."""
-    value = body.get(name)
-    if value is None:
+def _top_logprobs(body: dict) -> int | None:
+    top = optional(body, "top_logprobs", int)
+    if not optional(body, "logprobs", bool):
+        check(top is None, "top_logprobs needs logprobs=true", "top_logprobs")
         return None
-    if not _is_json_type(value, kind):
-        raise ParameterError(prefix + name, f"'{prefix}{name}' must be {_JSON_NAMES[kind]}, "
-                                            f"got {_json_type(value)} {json.dumps(value)[:200]}")
-    return float(value) if kind is float else value
-
-
-def _is_json_type(value, kind: type) -> bool:
-    if kind is bool:
-        return isinstance(value, bool)
-    if isinstance(value, bool):  # an int in Python, not in JSON
-        return False
-    if kind is float:  # an integer is a fine number
-        return isinstance(value, (int, float))
-    return isinstance(value, kind)
-
-
-_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-               dict: "an object"}
-
-
-def _json_type(value) -> str:
-    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+    check(top is None or 0 <= top <= 20, f"top_logprobs={top} must be in [0, 20]", "top_logprobs")
+    return top or 0
 
 
 # -- response -----------------------------------------------------------------------------------
 
 
 def build_chat_completion(reply: Reply, *, model: str, completion_id: str | None = None,
-                          created: int | None = None) -> dict:
+                          created: int | None = None, with_logprobs: bool = False) -> dict:
     """The non-streaming `chat.completion` object for one reply."""
     message = {"role": "assistant", "content": _message_content(reply), "refusal": None}
     if reply.tool_calls:
-        message["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in reply.tool_calls]
+        message["tool_calls"] = [_tool_call(call) for call in reply.tool_calls]
     return {"id": completion_id or new_completion_id(), "object": "chat.completion",
             "created": int(time.time()) if created is None else created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}],
+            "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason,
+                         "logprobs": _logprobs(reply.logprobs) if with_logprobs else None}],
             "usage": build_usage(reply)}
 
 
@@ -217,53 +169,65 @@ def _message_content(reply: Reply) -> str | None:
     return None if reply.tool_calls and not reply.content else reply.content
 
 
+def _tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _logprobs(tokens: list[TokenLogprob] | None) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(*alt) for alt in t.top]}
+                        for t in tokens or []], "refusal": None}
+
+
 # -- streaming ----------------------------------------------------------------------------------
 
 
 class ChunkStream:
-    """Writes one reply as OpenAI's server-sent `chat.completion.chunk` events, each in one write."""
+    """Writes one reply as `chat.completion.chunk` events, each in one write."""
 
-    def __init__(self, response: web.StreamResponse, *, model: str, include_usage: bool):
+    def __init__(self, response: web.StreamResponse, *, model: str, include_usage: bool, with_logprobs: bool):
         self.response = response
         self.model = model
         self.include_usage = include_usage
+        self.with_logprobs = with_logprobs
         self.completion_id = new_completion_id()
         self.created = int(time.time())
         self.started = False  # the first chunk (with the role) is out
-        self.streamed = ""  # content sent so far
+        self.num_calls = 0
 
-    async def send_content(self, text: str) -> None:
-        if not self.started:
-            await self._send_choice({"role": "assistant", "content": text})
-            self.started = True
-        elif text:
-            await self._send_choice({"content": text})
-        self.streamed += text
+    async def start(self, started: Started) -> None:
+        """Nothing yet: the first chunk carries the role with the first content or call."""
 
-    async def send_end(self, reply: Reply) -> None:
-        """Content the deltas did not carry, the tool calls, finish_reason, usage, [DONE]."""
-        rest = reply.content[len(self.streamed):] if reply.content.startswith(self.streamed) else ""
+    async def text(self, text: str) -> None:
+        await self._send_choice({"role": "assistant", "content": text} if not self.started else {"content": text})
+        self.started = True
+
+    async def tool_call(self, call: ToolCall) -> None:
         if not self.started:
-            # Only tool calls: null content, so the streamed message matches the non-streamed one.
-            await self._send_choice({"role": "assistant", "content": rest or (None if reply.tool_calls else "")})
+            # Only tool calls so far: null content, as in the non-streamed message.
+            await self._send_choice({"role": "assistant", "content": None})
             self.started = True
-        elif rest:
-            await self.send_content(rest)
-        for index, call in enumerate(reply.tool_calls):
-            await self._send_choice({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                                     "function": {"name": call.name, "arguments": call.arguments}}]})
-        await self._send_choice({}, finish_reason=reply.finish_reason)
+        await self._send_choice({"tool_calls": [{"index": self.num_calls, **_tool_call(call)}]})
+        self.num_calls += 1
+
+    async def end(self, reply: Reply) -> None:
+        if not self.started:
+            await self._send_choice({"role": "assistant", "content": ""})
+        logprobs = _logprobs(reply.logprobs) if self.with_logprobs else None
+        await self._send_choice({}, finish_reason=reply.finish_reason, logprobs=logprobs)
         if self.include_usage:
             await self._send(self._chunk([], usage=build_usage(reply)))
         await self.response.write(b"data: [DONE]\n\n")
 
-    async def send_error(self, error: RequestError) -> None:
-        """An error after the stream began: the SDK raises APIError on a data event with `error`."""
-        body = {"message": error.message, "type": error.kind, "param": getattr(error, "param", None), "code": None}
-        await self._send({"error": body})
+    async def error(self, error: RequestError) -> None:
+        """The SDK raises APIError on a data event with `error`."""
+        await self._send(openai_error_body(error))
 
-    async def _send_choice(self, delta: dict, *, finish_reason: str | None = None) -> None:
-        await self._send(self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]))
+    async def _send_choice(self, delta: dict, *, finish_reason: str | None = None, logprobs: dict | None = None):
+        await self._send(self._chunk([{"index": 0, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason}]))
 
     def _chunk(self, choices: list[dict], *, usage: dict | None = None) -> dict:
         chunk = {"id": self.completion_id, "object": "chat.completion.chunk", "created": self.created,
@@ -276,28 +240,18 @@ class ChunkStream:
         await self.response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
 
 
-async def stream_chat_completion(request: web.Request, session: Session, chat: ChatRequest) -> web.StreamResponse:
-    """Stream one reply. Errors before the first item (bad messages, context overflow) get a plain
-    error response with their status; later ones become an error event. Closing the session's
-    stream, also when the client went away, aborts its engine request."""
-    async with aclosing(session.stream(chat.messages, chat.tools, chat.sampling)) as items:
-        first = await anext(items)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        chunks = ChunkStream(response, model=session.model_name, include_usage=chat.include_usage)
-        try:
-            item = first
-            while not isinstance(item, Reply):
-                await chunks.send_content(item)
-                item = await anext(items)
-            await chunks.send_end(item)
-        except ConnectionResetError:
-            logger.debug("client of session %s went away mid-stream", session.session_id)
-            return response
-        except RequestError as error:
-            await chunks.send_error(error)
-        except Exception:
-            logger.exception("streamed chat completion failed in session %s", session.session_id)
-            await chunks.send_error(RequestError(500, "the endpoint failed mid-stream; see the Molt log", "api_error"))
-    await response.write_eof()
-    return response
+class ChatCompletions:
+    api = "openai"
+
+    def parse(self, body: dict, session) -> ChatRequest:
+        return parse_chat_request(body)
+
+    def build(self, reply: Reply, chat: ChatRequest, session) -> dict:
+        return build_chat_completion(reply, model=session.model_name, with_logprobs=chat.top_logprobs is not None)
+
+    def open_stream(self, response: web.StreamResponse, chat: ChatRequest, session) -> ChunkStream:
+        return ChunkStream(response, model=session.model_name, include_usage=chat.include_usage,
+                           with_logprobs=chat.top_logprobs is not None)
+
+
+CHAT_COMPLETIONS = ChatCompletions()

@@ -1,8 +1,9 @@
 """The session endpoint: an HTTP server on each rollout rank that agents reach with the official
 OpenAI or Anthropic SDK (DESIGN section 4).
 
-Routes live under `/s/<session_id>`: `POST /v1/chat/completions` (OpenAI), `POST /v1/messages`
-(Anthropic), `GET /v1/models`; plus `GET /health`. Every session has its own key (Bearer token
+Routes live under `/s/<session_id>`: `POST /v1/chat/completions` and `POST /v1/responses`
+(OpenAI), `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic), `GET
+/v1/models`; plus `GET /health`. Every session has its own key (Bearer token
 or `x-api-key`), compared in constant time; an unknown, ended or wrong key gets 401. Bodies over
 the cap get 413 before they are parsed. There are no control routes on this listener.
 """
@@ -17,30 +18,23 @@ from aiohttp import web
 
 from molt.agents.base import SamplingParams
 from molt.agents.chat import SessionRecord
+from molt.endpoint.anthropic_messages import handle_count_tokens, handle_messages
+from molt.endpoint.errors import RequestError, error_response
+from molt.endpoint.openai_chat import handle_chat_completions, handle_models
+from molt.endpoint.openai_responses import handle_responses
 from molt.endpoint.session import Session
+from molt.endpoint.template_check import turn_end_text
+from molt.endpoint.tool_calls import build_tool_call_parser_factory
 
 logger = logging.getLogger("molt")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
-def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                             status=status)
-
-
-def anthropic_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    kinds = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}
-    return web.json_response({"type": "error", "error": {"type": kinds.get(status, kind), "message": message}},
-                             status=status)
-
-
 def _error_for(request: web.Request, status: int, message: str) -> web.Response:
     """The error shape of the API the path belongs to."""
-    if request.path.endswith("/v1/messages"):
-        return anthropic_error(status, message)
-    kinds = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
-    return openai_error(status, message, kinds.get(status, "invalid_request_error"))
+    api = "anthropic" if "/v1/messages" in request.path else "openai"
+    return error_response(api, RequestError(status, message))
 
 
 class SessionEndpoint:
@@ -48,7 +42,7 @@ class SessionEndpoint:
     AgentWorkerPool (or by a runner in this process, in tests)."""
 
     def __init__(self, engine, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "hermes"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -56,16 +50,18 @@ class SessionEndpoint:
         self.port = port
         self.max_body_bytes = max_body_bytes
         self.sessions: dict[str, Session] = {}
+        self.turn_end = turn_end_text(tokenizer)
+        self.tool_parser = build_tool_call_parser_factory(tool_call_parser, tokenizer)
+        self._num_opened = 0  # sessions opened so far: each one's seed salt
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        from molt.endpoint.anthropic_api import handle_messages
-        from molt.endpoint.openai_api import handle_chat_completions, handle_models
-
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/health", self._health)
         app.router.add_post("/s/{session_id}/v1/chat/completions", self._with_session(handle_chat_completions))
         app.router.add_post("/s/{session_id}/v1/messages", self._with_session(handle_messages))
+        app.router.add_post("/s/{session_id}/v1/messages/count_tokens", self._with_session(handle_count_tokens))
+        app.router.add_post("/s/{session_id}/v1/responses", self._with_session(handle_responses))
         app.router.add_get("/s/{session_id}/v1/models", self._with_session(handle_models))
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # engine stream and so aborts the engine request.
@@ -88,7 +84,9 @@ class SessionEndpoint:
         session_id = secrets.token_hex(8)
         session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}",
                           model_name=self.model_name, engine=self.engine, tokenizer=self.tokenizer,
-                          sampling=sampling, max_length=max_length, base_url=f"{self.url}/s/{session_id}")
+                          sampling=sampling, max_length=max_length, base_url=f"{self.url}/s/{session_id}",
+                          turn_end=self.turn_end, seed_salt=self._num_opened, tool_parser=self.tool_parser)
+        self._num_opened += 1
         self.sessions[session_id] = session
         return session
 
@@ -105,7 +103,8 @@ class SessionEndpoint:
     async def end_session(self, session: Session) -> SessionRecord:
         """Close the session and hand over what it recorded."""
         self.close_session(session)
-        return SessionRecord(segments=session.all_segments(), ledger=dict(session.ledger.counts))
+        return SessionRecord(segments=session.all_segments(), ledger=dict(session.ledger.counts),
+                             context_exhausted=session.context_exhausted)
 
     # -- middleware and wrappers ------------------------------------------------------------
 

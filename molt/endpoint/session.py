@@ -1,60 +1,39 @@
 """A capture session: one rollout's conversation with the policy, recorded token-exactly.
 
-The session keeps its current segment (token ids, action mask, behaviour log-probs, versions)
-and the messages it has recorded. Each request either continues the segment (the recorded
-messages are a prefix of the new list: the recorded ids are reused as sampled and the new
-messages are rendered and appended as context) or closes it and opens a new one from the freshly
-rendered prompt (DESIGN section 4). An identical retry returns the cached reply and records
-nothing; a failed generation records nothing.
+The session keeps its current segment (token ids, action mask, behaviour log-probs, versions,
+sampling temperatures) and the messages it has recorded. Each request either continues the
+segment (the recorded messages are a prefix of the new list: the recorded ids are kept as sampled
+and the new messages are rendered and appended as context) or closes it and opens a new one from
+the freshly rendered prompt (DESIGN section 4).
+
+Requests of one session are served one at a time, in arrival order. Two calls an agent makes at
+once (or a sub-agent sharing the session) are therefore recorded one after the other: the second
+does not extend the first's reply, so it opens a new segment (ledger: history_rewrite), and every
+reply the agent receives is in exactly one segment.
+
+A request the client marks as a retry of its previous one (the SDKs' `x-stainless-retry-count`,
+or a repeated `Idempotency-Key`) gets the cached reply and records nothing; any other request
+samples afresh, so an agent that repeats a call to draw several candidates gets several. A failed
+generation records nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from molt.agents.base import SamplingParams
-from molt.endpoint.tool_calls import ToolCall, parse_tool_calls
+from molt.endpoint.constraints import build_constraint
+from molt.endpoint.errors import ContextLengthExceeded, RequestError
+from molt.endpoint.messages import ChatRequest, Reply, Started, TokenLogprob, reply_message, template_message
+from molt.endpoint.tool_calls import ToolCallParser, merged_parts
 from molt.experience import Segment
 
 logger = logging.getLogger("molt")
-
-ROLES = ("system", "user", "assistant", "tool")
-TOOL_CALL_MARKER = "<tool_call>"
-
-
-class RequestError(Exception):
-    """A request the session refuses; the route turns it into its API's error shape."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-
-
-@dataclass(kw_only=True)
-class Sampling:
-    """Per-request sampling overrides; None keeps the rollout's configured value."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-
-
-@dataclass(kw_only=True)
-class Reply:
-    content: str  # generated text without tool-call markup
-    tool_calls: list[ToolCall]
-    finish_reason: str  # 'stop' | 'length' | 'tool_calls'
-    prompt_tokens: int
-    completion_tokens: int
 
 
 @dataclass
@@ -69,7 +48,8 @@ class DriftLedger:
 
 class Session:
     def __init__(self, *, session_id: str, api_key: str, model_name: str, engine, tokenizer,
-                 sampling: SamplingParams, max_length: int, base_url: str):
+                 sampling: SamplingParams, max_length: int, base_url: str, turn_end: str = "",
+                 seed_salt: int = 0, tool_parser=None):
         self.session_id = session_id
         self.api_key = api_key
         self.model_name = model_name
@@ -79,78 +59,118 @@ class Session:
         self.max_length = max_length
         self.session_url = base_url  # session root, for the Anthropic SDK
         self.base_url = base_url + "/v1"  # for the OpenAI SDK
+        self.turn_end = turn_end  # what the template writes after an assistant turn (template_check.turn_end_text)
+        self.seed_salt = seed_salt  # mixed into request seeds, so one seed does not make a group's samples equal
+        # enabled -> a fresh tool-call parser per request (molt.endpoint.tool_calls)
+        self.tool_parser = tool_parser or (lambda enabled: ToolCallParser(enabled=enabled))
         self.closed = False
+        self.context_exhausted = False  # a request no longer fit rollout.max_length
         self.segments: list[Segment] = []  # closed segments
         self.current: Segment | None = None
         self.ledger = DriftLedger()
+        self.api_state: dict = {}  # per-API memory of the translators (e.g. stored responses)
         self._recorded: list[dict] = []  # normalized messages of the current segment, with the last reply
         self._recorded_tools: list[dict] | None = None
-        self._last_key: tuple | None = None  # (messages, tools, sampling) of the last request
+        self._last_key: tuple | None = None
+        self._last_idempotency_key: str | None = None
         self._last_reply: Reply | None = None
+        self._lock = asyncio.Lock()
 
     # -- the two entry points ---------------------------------------------------------------
 
-    async def complete(self, messages: list[dict], tools: list[dict] | None, sampling: Sampling) -> Reply:
+    async def complete(self, chat: ChatRequest) -> Reply:
         """The whole reply at once."""
-        reply = None
-        async for item in self.stream(messages, tools, sampling, incremental=False):
-            reply = item
-        return reply
+        async for item in self.stream(chat, incremental=False):
+            if isinstance(item, Reply):
+                return item
+        raise RequestError(500, "generation ended without a reply", "api_error")
 
-    async def stream(self, messages: list[dict], tools: list[dict] | None, sampling: Sampling, *,
-                     incremental: bool = True) -> AsyncIterator[str | Reply]:
-        """Yield content deltas as they are generated (if `incremental`), then the final Reply."""
-        normalized = normalize_messages(messages)
-        tools = tools or None
-        key = (normalized, tools, sampling)
-        if key == self._last_key and self._last_reply is not None:
-            self.ledger.counts["retry"] += 1  # an identical retry: the cached reply, nothing recorded
-            yield self._last_reply
-            return
-        base, reason, prompt_ids = self._prepare(normalized, tools)
+    async def stream(self, chat: ChatRequest, *, incremental: bool = True) -> AsyncIterator[str | Reply]:
+        """Yield Started once the prompt is rendered, then content strings and complete ToolCalls
+        as they are generated (when `incremental`; otherwise all at the end), then the Reply.
+        Errors before Started (a bad or too long conversation) are the request's; later ones
+        happen mid-stream."""
+        async with self._lock:
+            if self._is_retry(chat):
+                self.ledger.counts["retry"] += 1
+                yield Started(prompt_tokens=self._last_reply.prompt_tokens)
+                for part in self._last_reply.parts:
+                    yield part
+                yield self._last_reply
+                return
+            async with contextlib.aclosing(self._generate(chat, incremental)) as items:
+                async for item in items:
+                    yield item
+
+    def _is_retry(self, chat: ChatRequest) -> bool:
+        if self._last_reply is None:
+            return False
+        same_key = chat.idempotency_key is not None and chat.idempotency_key == self._last_idempotency_key
+        return same_key or (chat.retry and chat.key() == self._last_key)
+
+    async def _generate(self, chat: ChatRequest, incremental: bool) -> AsyncIterator:
+        base, reason, prompt_ids = self._prepare(chat.messages, chat.tools)
         budget = self.max_length - len(prompt_ids)
         if budget <= 0:
-            raise RequestError(400, f"the conversation is {len(prompt_ids)} tokens; this session's context is "
-                                    f"{self.max_length} tokens (rollout.max_length)", "invalid_request_error")
-        params = SamplingParams(
-            max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
-            temperature=self.default_sampling.temperature if sampling.temperature is None else sampling.temperature,
-            top_p=self.default_sampling.top_p if sampling.top_p is None else sampling.top_p)
-        sampled, logprobs, versions, text, finish_reason, shown = [], [], [], "", None, 0
+            self.context_exhausted = True
+            raise ContextLengthExceeded(len(prompt_ids), self.max_length)
+        yield Started(prompt_tokens=len(prompt_ids))
+        sampling = chat.sampling
+        temperature = self.default_sampling.temperature if sampling.temperature is None else sampling.temperature
+        params = SamplingParams(max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
+                                temperature=temperature, top_p=self.default_sampling.top_p)
+        seed = None if sampling.seed is None else hash((sampling.seed, self.seed_salt)) & (2**63 - 1)
+        constraint = build_constraint(chat)
+        parser = self.tool_parser(chat.tool_choice.mode != "none")
+        if constraint is not None and chat.tool_choice.mode in ("required", "function") \
+                and not isinstance(parser, ToolCallParser):
+            raise RequestError(400, f"tool_choice={chat.tool_choice.mode!r} forces a call in the <tool_call> format, "
+                                    f"but this model's calls are read by another parser (rollout.tool_call_parser); "
+                                    f"use tool_choice 'auto'", param="tool_choice")
+        sampled, logprobs, versions, top, parts = [], [], [], [], []
+        finish_reason, stop_reason = None, None
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.
-        async with contextlib.aclosing(self.engine.stream(prompt_ids, params, stop=sampling.stop, seed=sampling.seed,
-                                                          incremental=incremental)) as deltas:
+        async with contextlib.aclosing(self.engine.stream(
+                prompt_ids, params, stop=list(sampling.stop) if sampling.stop else None, seed=seed,
+                incremental=incremental, top_logprobs=chat.top_logprobs, constraint=constraint)) as deltas:
             async for delta in deltas:
                 sampled += delta.token_ids
                 logprobs += delta.logprobs
-                text += delta.text
+                top += delta.top_logprobs or []
                 versions = delta.policy_versions or versions  # per token, on the last delta
                 finish_reason = delta.finish_reason or finish_reason
-                if not incremental:
-                    continue
-                visible = text.split(TOOL_CALL_MARKER, 1)[0]
-                # Hold back a possible partial marker at the end, so markup never reaches the client.
-                safe = len(visible) if TOOL_CALL_MARKER in text else _safe_prefix_length(visible)
-                if safe > shown:
-                    yield visible[shown:safe]
-                    shown = safe
+                stop_reason = delta.stop_reason if delta.stop_reason is not None else stop_reason
+                new = parser.feed(delta.text)
+                parts += new
+                if incremental:
+                    for item in new:
+                        yield item
         if finish_reason not in ("stop", "length"):
             raise RequestError(503, f"generation ended with {finish_reason!r}; retry the request", "api_error")
-        visible = text.split(TOOL_CALL_MARKER, 1)[0]
-        if incremental and len(visible) > shown:
-            yield visible[shown:]
-        content, tool_calls = parse_tool_calls(text) if TOOL_CALL_MARKER in text else (text, [])
+        rest = parser.finish()
+        parts += rest
+        if incremental:
+            for item in rest:
+                yield item
         segment = base.copy() if base else Segment()
         segment.add_context(prompt_ids[len(segment.token_ids):])
-        segment.add_action(sampled, logprobs, versions)
+        segment.add_action(sampled, logprobs, versions, temperature=temperature)
         segment.truncated = finish_reason == "length"
-        self._commit(segment, reason, normalized, tools, content, tool_calls)
-        reply = Reply(content=content, tool_calls=tool_calls,
-                      finish_reason="tool_calls" if tool_calls else finish_reason,
-                      prompt_tokens=len(prompt_ids), completion_tokens=len(sampled))
-        self._last_key, self._last_reply = key, reply
+        reply = Reply(parts=merged_parts(parts), prompt_tokens=len(prompt_ids), completion_tokens=len(sampled),
+                      finish_reason=_finish_reason(finish_reason, parts),
+                      stop_sequence=stop_reason if isinstance(stop_reason, str) else None,
+                      logprobs=self._token_logprobs(sampled, logprobs, top) if chat.top_logprobs is not None else None)
+        if constraint is not None:
+            self.ledger.counts["constrained"] += 1
+        self._commit(segment, reason, chat, reply)
         yield reply
+
+    def _token_logprobs(self, sampled: list[int], logprobs: list[float], top: list) -> list[TokenLogprob]:
+        decode = self.tokenizer.decode
+        return [TokenLogprob(token=decode([token]), logprob=logprob,
+                             top=[(decode([alt]), alt_logprob) for alt, alt_logprob in alternatives])
+                for token, logprob, alternatives in zip(sampled, logprobs, top or [[]] * len(sampled))]
 
     # -- segments -------------------------------------------------------------------------
 
@@ -164,7 +184,7 @@ class Session:
                 before = self._render(recorded, tools, generation_prompt=False)
                 after = self._render(messages, tools, generation_prompt=True)
                 if after.startswith(before):
-                    context = self._text_after_last_reply(before) + after[len(before):]
+                    context = self._unsampled_turn_end() + after[len(before):]
                     context_ids = self.tokenizer.encode(context, add_special_tokens=False)
                     return self.current, "continued", self.current.token_ids + context_ids
                 reason = "template_rewrite"
@@ -175,107 +195,39 @@ class Session:
         prompt = self._render(messages, tools, generation_prompt=True)
         return None, reason, self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def _text_after_last_reply(self, rendered: str) -> str:
-        """What the template puts after the recorded reply's last sampled token.
+    def _unsampled_turn_end(self) -> str:
+        """The part of the template's end-of-turn text the model did not sample itself: after the
+        end-of-turn token when the reply ended with it, all of it when the reply was cut."""
+        last = self.current.token_ids[-1:] if self.current.token_ids else []
+        sampled = self.tokenizer.decode(last) if last else ""
+        if sampled and not self.current.truncated and self.current.action_mask[-1] and self.turn_end.startswith(sampled):
+            return self.turn_end[len(sampled):]
+        return self.turn_end
 
-        A reply that ended with the end-of-turn token continues after it; a reply cut at
-        max_tokens never sampled it, so the end-of-turn text is context too."""
-        eos_text = self.tokenizer.eos_token or ""
-        end = rendered.rfind(eos_text) if eos_text else -1
-        if end < 0:
-            return ""
-        last_sampled = self.current.token_ids[-1] if self.current.token_ids else None
-        return rendered[end + len(eos_text):] if last_sampled == self.tokenizer.eos_token_id else rendered[end:]
-
-    def _commit(self, segment: Segment, reason: str, messages, tools, content: str, tool_calls) -> None:
+    def _commit(self, segment: Segment, reason: str, chat: ChatRequest, reply: Reply) -> None:
         self.ledger.counts[reason] += 1
         if reason != "continued" and self.current is not None:
             self.segments.append(self.current)
         self.current = segment
-        reply = {"role": "assistant", "content": content.strip(),
-                 "tool_calls": [{"name": c.name, "arguments": _json_or_text(c.arguments)} for c in tool_calls]}
-        self._recorded = messages + [reply]
-        self._recorded_tools = tools
+        self._recorded = chat.messages + [reply_message(reply)]
+        self._recorded_tools = chat.tools
+        self._last_key, self._last_idempotency_key, self._last_reply = chat.key(), chat.idempotency_key, reply
+
+    def count_prompt_tokens(self, messages: list[dict], tools) -> int:
+        """The tokens of the conversation rendered as a new prompt."""
+        return len(self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False))
 
     def all_segments(self) -> list[Segment]:
         return self.segments + ([self.current] if self.current is not None else [])
 
     def _render(self, messages: list[dict], tools, *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages], tools=tools, tokenize=False,
+            [template_message(m) for m in messages], tools=tools, tokenize=False,
             add_generation_prompt=generation_prompt)
 
 
-# -- message normalization --------------------------------------------------------------------
-
-
-def normalize_messages(messages) -> list[dict]:
-    """Validate chat messages and reduce them to what the template renders, so the same
-    conversation sent twice compares equal whatever SDK objects or ids it carries."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "'messages' must be a non-empty list of message objects")
-    normalized = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(400, f"messages[{index}] must be an object, got {type(message).__name__}")
-        role = message.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ROLES:
-            raise RequestError(400, f"messages[{index}].role={role!r} is not one of {', '.join(ROLES)}")
-        entry = {"role": role, "content": _content_text(message.get("content"), index)}
-        if role == "assistant":
-            # Streamed and parsed replies may differ in surrounding whitespace only.
-            entry["content"] = entry["content"].strip()
-            entry["tool_calls"] = [_tool_call(call, index) for call in message.get("tool_calls") or []]
-        normalized.append(entry)
-    return normalized
-
-
-def _content_text(content, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(400, f"messages[{index}].content has a part of type {kind!r}; "
-                                        f"only text parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise RequestError(400, f"messages[{index}].content must be a string or a list of parts, "
-                            f"got {type(content).__name__}")
-
-
-def _tool_call(call, index: int) -> dict:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(400, f"messages[{index}].tool_calls entries need function.name and function.arguments")
-    arguments = function.get("arguments", "{}")
-    return {"name": function["name"], "arguments": _json_or_text(arguments) if isinstance(arguments, str) else arguments}
-
-
-def _json_or_text(arguments: str):
-    try:
-        return json.loads(arguments)
-    except (TypeError, json.JSONDecodeError):
-        return arguments
-
-
-def _template_message(message: dict) -> dict:
-    """Normalized message -> what the chat template expects."""
-    out = {"role": message["role"], "content": message["content"]}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [{"type": "function", "function": call} for call in message["tool_calls"]]
-    return out
-
-
-def _safe_prefix_length(text: str) -> int:
-    """Length of `text` that cannot be the start of a tool-call marker."""
-    for keep in range(min(len(TOOL_CALL_MARKER) - 1, len(text)), 0, -1):
-        if TOOL_CALL_MARKER.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)
+def _finish_reason(engine_reason: str, parts: list) -> str:
+    """'length' when cut at max_tokens (whatever it holds), else 'tool_calls' when it has calls."""
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if any(not isinstance(part, str) for part in parts) else engine_reason

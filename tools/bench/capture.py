@@ -2,19 +2,23 @@
 the real OpenAI SDK, side by side with the same prompts sent straight to the same vLLM engine
 (PERF.md). Everything runs on one event loop against one real vLLM CPU engine started through Molt.
 
-Paths (each rollout has a fixed sampling seed, so every path generates the same work):
+Paths (each rollout has a fixed sampling seed; the endpoint paths mix it with their session's own,
+as the sampling contract says, so the work is equal in expectation and capture_generated_tokens
+shows how equal it was):
 - direct: render the chat template to token ids and run them through `RolloutEngine.stream` with
   one output at the end (what the endpoint itself calls for a non-streaming request);
 - endpoint: open a session, build one `AsyncOpenAI` for it (as agents do), send one
   `chat.completions.create`, close the client and the session. The process shares one default
   TLS context between SDK clients, as Molt's rollout ranks do (`molt.agents.tls`);
+- endpoint_responses: the same through the Responses API (`responses.create`), the OpenAI Agents
+  SDK's default model;
 - endpoint_raw_http (diagnostic): a session per rollout, but the request is plain JSON over one
   shared keep-alive aiohttp client, no SDK: what the endpoint itself (HTTP server, session,
   template, JSON) adds to the direct path.
 
 One run prints one JSON line per figure, then the command that produced them:
 - capture_rollouts_per_second: medians over rounds run A B C, C B A ... after a warm-up round
-  (target endpoint / direct >= 0.95; the diagnostic path's ratio alongside);
+  (target endpoint / direct >= 0.95 for each SDK path; the diagnostic path's ratio alongside);
 - capture_generated_tokens: prompt and completion tokens per path, to show the work was equal;
 - capture_latency_p50_ms: per-rollout latency at the same concurrency;
 - capture_sequential_latency_p50_ms: the same at concurrency 1, paths interleaved request by
@@ -127,6 +131,34 @@ async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: in
                          completion_tokens=completion.usage.completion_tokens)
 
 
+async def run_responses(endpoint, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
+    """The endpoint path through the Responses API (`client.responses.create`), as the OpenAI
+    Agents SDK's default model and Codex-style agents call it."""
+    from openai import AsyncOpenAI
+
+    from molt.agents.base import SamplingParams
+
+    started = time.perf_counter()
+    session = endpoint.open_session(sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
+                                    max_length=MAX_LENGTH)
+    try:
+        client_started = time.perf_counter()
+        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        request_started = time.perf_counter()
+        try:
+            response = await client.responses.create(model=MODEL_NAME, input=messages, max_output_tokens=max_tokens,
+                                                     temperature=1.0, extra_body={"seed": seed})
+            request_finished = time.perf_counter()
+        finally:
+            await client.close()
+    finally:
+        endpoint.close_session(session)
+    return RolloutTiming(rollout_seconds=time.perf_counter() - started,
+                         request_seconds=request_finished - request_started,
+                         client_seconds=request_started - client_started,
+                         prompt_tokens=response.usage.input_tokens, completion_tokens=response.usage.output_tokens)
+
+
 async def run_raw_http(endpoint, http, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
     from molt.agents.base import SamplingParams
 
@@ -152,6 +184,7 @@ def build_paths(engine, endpoint, http) -> dict[str, Callable[[list[dict], int, 
     return {
         "direct": lambda messages, seed, max_tokens: run_direct(engine, messages, seed, max_tokens),
         "endpoint": lambda messages, seed, max_tokens: run_endpoint(endpoint, messages, seed, max_tokens),
+        "endpoint_responses": lambda messages, seed, max_tokens: run_responses(endpoint, messages, seed, max_tokens),
         "endpoint_raw_http": lambda messages, seed, max_tokens: run_raw_http(
             endpoint, http, messages, seed, max_tokens),
     }
@@ -218,10 +251,11 @@ def p50_ms(values: list[float]) -> float:
 
 
 def added_latency(latency: dict[str, float]) -> dict:
-    """The endpoint's added p50 (the target figure), and each diagnostic path's alongside."""
+    """Each path's added p50 over direct (target 1 ms for the SDK paths)."""
     return {"added_ms": round(latency["endpoint"] - latency["direct"], 3),
+            "responses_added_ms": round(latency["endpoint_responses"] - latency["direct"], 3),
             "diagnostic_added_ms": {name: round(value - latency["direct"], 3) for name, value in latency.items()
-                                    if name not in ("direct", "endpoint")}}
+                                    if name not in ("direct", "endpoint", "endpoint_responses")}}
 
 
 def report_concurrent(rounds: dict[str, list[Round]], args, max_tokens: int) -> None:
@@ -229,9 +263,10 @@ def report_concurrent(rounds: dict[str, list[Round]], args, max_tokens: int) -> 
     setting = {"rollouts": args.rollouts, "concurrency": args.concurrency, "max_tokens": max_tokens,
                "rounds": args.rounds}
     emit({"figure": "capture_rollouts_per_second", **{name: round(rate, 2) for name, rate in rates.items()},
-          "ratio": round(rates["endpoint"] / rates["direct"], 3), "target_ratio": 0.95,
+          "ratio": round(rates["endpoint"] / rates["direct"], 3),
+          "responses_ratio": round(rates["endpoint_responses"] / rates["direct"], 3), "target_ratio": 0.95,
           "diagnostic_ratios": {name: round(rate / rates["direct"], 3) for name, rate in rates.items()
-                                if name not in ("direct", "endpoint")},
+                                if name not in ("direct", "endpoint", "endpoint_responses")},
           "all": {name: [round(r.rollouts_per_second, 2) for r in runs] for name, runs in rounds.items()},
           **setting})
     emit({"figure": "capture_generated_tokens", "max_tokens": max_tokens,
@@ -258,8 +293,9 @@ def report_sequential(timings: dict[str, list[RolloutTiming]], max_tokens: int) 
     added = {name: p50_ms([t.rollout_seconds - d.rollout_seconds for t, d in zip(runs, timings["direct"])])
              for name, runs in timings.items() if name != "direct"}
     emit({"figure": "capture_sequential_latency_p50_ms", "max_tokens": max_tokens, **latency,
-          "added_ms": added["endpoint"], "target_added_ms": 1.0,
-          "diagnostic_added_ms": {name: value for name, value in added.items() if name != "endpoint"},
+          "added_ms": added["endpoint"], "responses_added_ms": added["endpoint_responses"], "target_added_ms": 1.0,
+          "diagnostic_added_ms": {name: value for name, value in added.items()
+                                  if name not in ("endpoint", "endpoint_responses")},
           "request_only": request,
           "completion_tokens": {name: sum(t.completion_tokens for t in runs) for name, runs in timings.items()},
           "requests": len(timings["direct"])})
