@@ -27,6 +27,7 @@ Accounting, in rollouts, checked every step: dispatched = consumed + dropped (by
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections import Counter, defaultdict, deque
@@ -48,6 +49,9 @@ DROP_REASONS = ("failed",  # it failed (refilled or not)
                 "failed_group",  # it succeeded, but its group was dropped for a failed rollout
                 "filtered",  # its group carried no signal (algorithm.filter_groups)
                 "stale")  # its group would have been trained beyond algorithm.max_staleness
+# Running totals the engines report (rank metrics '<name>_total'); each step logs its growth as '<name>':
+ENGINE_COUNTERS = ("rollout/prompt_tokens",  # prompt tokens submitted to the engines
+                   "rollout/prefill_tokens")  # ... of which computed (not vLLM prefix-cache hits)
 
 
 class RolloutRankError(RuntimeError):
@@ -78,7 +82,7 @@ class StepRollouts:
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
     trained_prompts: list[int] = field(default_factory=list)  # prompt-file index of each group in `groups`
     dropped_prompts: list[int] = field(default_factory=list)  # ... of each group released but dropped
-    rank_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' payload-store and process metrics, summed
+    rank_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' store, process, engine metrics, summed
 
     def merge(self, later: StepRollouts) -> None:
         """Add later groups of the same step: they go after these (dispatch order), counts add up."""
@@ -135,6 +139,66 @@ class Accounting:
         return metrics
 
 
+class EngineRouter:
+    """Which rollout rank runs each rollout; no sockets (the controller sends). A group's rollouts
+    share a prompt, so they go to one engine, which prefills it once and serves the rest from vLLM's
+    prefix cache, while load allows: the group's home (the rank of its first rollout) takes the next
+    one if its outstanding tokens stay within one group's worth of the least-loaded rank's,
+    `outstanding[home] + tokens <= min(outstanding) + group_size * tokens`. Otherwise, and for a
+    group's first rollout, the least-loaded rank takes it (ties: the first one from position
+    group_id mod ranks, so groups spread over equally loaded ranks). A group's first dispatch
+    therefore always lands whole on one rank; its refills go home unless other groups piled up
+    there meanwhile. With fewer groups per step than ranks, a synchronous step leaves ranks idle.
+
+    A rollout's outstanding tokens are an estimate made at dispatch (estimate_rollout_tokens),
+    held until its outcome comes back, failed or not. The state is the rollouts in flight only,
+    which a checkpoint does not keep (they die with the job): a resumed run starts with none. With
+    algorithm.max_staleness = 0 nothing is in flight when a step dispatches, so where each rollout
+    runs follows from the dispatch order and fixed seeds still reproduce a run; under streaming it
+    also depends on which outcomes are back, as the versions of a batch already do."""
+
+    def __init__(self, ranks: list[int], *, group_affinity: bool = True):
+        self.ranks = list(ranks)
+        self.group_affinity = group_affinity  # rollout.group_affinity; False: always the least loaded
+        self.outstanding = {rank: 0 for rank in self.ranks}  # rank -> estimated tokens of its rollouts in flight
+        self._placed: dict[int, tuple[int, int]] = {}  # rollout id -> (rank, tokens), until its outcome
+        self._homes: dict[int, int] = {}  # group id -> the rank of its first rollout, until the group is released
+
+    def place(self, rollout_id: int, group_id: int, group_size: int, num_tokens: int) -> int:
+        """The rank that runs this rollout; its `num_tokens` count as outstanding there until `release`."""
+        home = self._homes.get(group_id) if self.group_affinity else None
+        slack = group_size * num_tokens
+        if home is not None and self.outstanding[home] + num_tokens <= min(self.outstanding.values()) + slack:
+            rank = home
+        else:
+            rank = self.least_loaded(group_id)
+            self._homes.setdefault(group_id, rank)
+        self.outstanding[rank] += num_tokens
+        self._placed[rollout_id] = (rank, num_tokens)
+        return rank
+
+    def least_loaded(self, group_id: int) -> int:
+        start = group_id % len(self.ranks)
+        return min(self.ranks[start:] + self.ranks[:start], key=self.outstanding.__getitem__)
+
+    def release(self, rollout_id: int) -> None:
+        """The rollout's outcome is back: its tokens no longer load its rank."""
+        rank, num_tokens = self._placed.pop(rollout_id)
+        self.outstanding[rank] -= num_tokens
+
+    def forget_group(self, group_id: int) -> None:
+        """A step released the group: no more of its rollouts will be dispatched."""
+        self._homes.pop(group_id, None)
+
+
+def estimate_rollout_tokens(request: dict) -> int:
+    """The tokens a rollout request will occupy an engine with, as far as the controller knows at
+    dispatch (it has no tokenizer): its messages and tool schemas at about 4 characters a token,
+    plus sampling.max_tokens for each turn it may take."""
+    prompt_characters = len(json.dumps([request["messages"], request["tools"]], default=str))
+    return prompt_characters // 4 + request["sampling"]["max_tokens"] * request["max_turns"]
+
+
 class RolloutController:
     def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int]):
         self.cfg = cfg
@@ -157,7 +221,9 @@ class RolloutController:
         # The controller handles references only; it frees the payloads of experiences no step trains.
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
                                       timeout_seconds=cfg.payloads.fetch_timeout_seconds)
-        self.rank_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its latest store and process metrics
+        self.engine_router = EngineRouter(rollout_ranks, group_affinity=cfg.rollout.group_affinity)
+        self.rank_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its latest store, process, engine metrics
+        self._engine_totals: dict[str, float] = {}  # ENGINE_COUNTERS summed over the ranks at the last step
         self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -211,7 +277,8 @@ class RolloutController:
         """What a checkpoint keeps of the controller (JSON-friendly): its prompt stream, the prompts
         of every group not yet released ahead of the rows no step has dispatched (a resumed run
         dispatches them first: their rollouts die with the job), id counters and run totals, the
-        rollouts in flight counted as never dispatched."""
+        rollouts in flight counted as never dispatched. The EngineRouter holds nothing else, so it
+        is not saved."""
         unreleased = [group.row for group in self._queue]
         return {"loader": self.loader.state_dict(), "epoch": self.epoch,
                 "pending_rows": [dataclasses.asdict(row) for row in unreleased + self._pending_rows],
@@ -285,10 +352,21 @@ class RolloutController:
                            len(result.groups), target, algo.max_backfill_prompts, dict(result.filtered_groups),
                            result.dropped_groups)
         result.accounting = self.accounting.check(self.num_in_flight)
+        result.rank_metrics = self.sum_rank_metrics()
+        return result
+
+    def sum_rank_metrics(self) -> dict[str, float]:
+        """The rollout ranks' latest metrics summed, plus what the engines' running totals
+        (ENGINE_COUNTERS) grew by since the last step. Ranks report with each outcome, so under
+        streaming a step's figure may include work for rollouts of the next one."""
+        summed: dict[str, float] = {}
         for metrics in self.rank_metrics.values():
             for key, value in metrics.items():
-                result.rank_metrics[key] = result.rank_metrics.get(key, 0.0) + value
-        return result
+                summed[key] = summed.get(key, 0.0) + value
+        for name in ENGINE_COUNTERS:
+            total = summed.get(f"{name}_total", 0.0)
+            summed[name], self._engine_totals[name] = total - self._engine_totals.get(name, 0.0), total
+        return summed
 
     def top_up(self, policy_version: int, step: int) -> None:
         """Dispatch prompts until the groups not yet released cover every step that may still train
@@ -317,13 +395,14 @@ class RolloutController:
                 })
 
     def dispatch(self, group: GroupInFlight, request: dict) -> int:
-        """Send one rollout request, under a fresh rollout_id, to the next rollout rank."""
+        """Send one rollout request, under a fresh rollout_id, to the rollout rank the EngineRouter picks."""
         request = {**request, "rollout_id": self._next_rollout_id}
         self._next_rollout_id += 1
         self._requests[request["rollout_id"]] = (group, request)
         group.pending.add(request["rollout_id"])
         self.accounting.dispatched += 1
-        rank = self.rollout_ranks[request["rollout_id"] % len(self.rollout_ranks)]  # round robin, resumable
+        rank = self.engine_router.place(request["rollout_id"], group.group_id, group.size,
+                                        estimate_rollout_tokens(request))
         self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request})
         return request["rollout_id"]
 
@@ -341,6 +420,7 @@ class RolloutController:
         if "rank_metrics" in message:
             self.rank_metrics[message["rank"]] = message["rank_metrics"]
         group, request = self._requests.pop(outcome.rollout_id)
+        self.engine_router.release(outcome.rollout_id)
         group.pending.discard(outcome.rollout_id)
         group.outcomes.append(outcome)
         if not outcome.failure:
@@ -357,6 +437,7 @@ class RolloutController:
     def release(self, group: GroupInFlight, policy_version: int) -> StepRollouts:
         """What a complete group gives the step that trains `policy_version`: its experiences, or
         the reason it is dropped (a failed rollout not made up, too stale, no signal)."""
+        self.engine_router.forget_group(group.group_id)
         part = gather_groups(group.outcomes, {group.group_id: group.size})
         part.refilled_rollouts = group.num_refills
         num_good = sum(not outcome.failure for outcome in group.outcomes)
