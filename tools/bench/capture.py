@@ -104,7 +104,10 @@ async def run_direct(engine, messages: list[dict], seed: int, max_tokens: int) -
                          client_seconds=0.0, prompt_tokens=len(prompt_ids), completion_tokens=num_generated)
 
 
-async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
+async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: int, *,
+                       api: str = "chat") -> RolloutTiming:
+    """One rollout through the OpenAI SDK: `chat.completions.create` (api='chat') or
+    `responses.create` (api='responses', the OpenAI Agents SDK's default model)."""
     from openai import AsyncOpenAI
 
     from molt.agents.base import SamplingParams
@@ -117,8 +120,14 @@ async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: in
         client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         request_started = time.perf_counter()
         try:
-            completion = await client.chat.completions.create(
-                model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=1.0, seed=seed)
+            if api == "chat":
+                completion = await client.chat.completions.create(
+                    model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=1.0, seed=seed)
+                usage = (completion.usage.prompt_tokens, completion.usage.completion_tokens)
+            else:
+                response = await client.responses.create(model=MODEL_NAME, input=messages, max_output_tokens=max_tokens,
+                                                         temperature=1.0, extra_body={"seed": seed})
+                usage = (response.usage.input_tokens, response.usage.output_tokens)
             request_finished = time.perf_counter()
         finally:
             await client.close()
@@ -127,36 +136,7 @@ async def run_endpoint(endpoint, messages: list[dict], seed: int, max_tokens: in
     return RolloutTiming(rollout_seconds=time.perf_counter() - started,
                          request_seconds=request_finished - request_started,
                          client_seconds=request_started - client_started,
-                         prompt_tokens=completion.usage.prompt_tokens,
-                         completion_tokens=completion.usage.completion_tokens)
-
-
-async def run_responses(endpoint, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
-    """The endpoint path through the Responses API (`client.responses.create`), as the OpenAI
-    Agents SDK's default model and Codex-style agents call it."""
-    from openai import AsyncOpenAI
-
-    from molt.agents.base import SamplingParams
-
-    started = time.perf_counter()
-    session = endpoint.open_session(sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
-                                    max_length=MAX_LENGTH)
-    try:
-        client_started = time.perf_counter()
-        client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
-        request_started = time.perf_counter()
-        try:
-            response = await client.responses.create(model=MODEL_NAME, input=messages, max_output_tokens=max_tokens,
-                                                     temperature=1.0, extra_body={"seed": seed})
-            request_finished = time.perf_counter()
-        finally:
-            await client.close()
-    finally:
-        endpoint.close_session(session)
-    return RolloutTiming(rollout_seconds=time.perf_counter() - started,
-                         request_seconds=request_finished - request_started,
-                         client_seconds=request_started - client_started,
-                         prompt_tokens=response.usage.input_tokens, completion_tokens=response.usage.output_tokens)
+                         prompt_tokens=usage[0], completion_tokens=usage[1])
 
 
 async def run_raw_http(endpoint, http, messages: list[dict], seed: int, max_tokens: int) -> RolloutTiming:
@@ -184,7 +164,8 @@ def build_paths(engine, endpoint, http) -> dict[str, Callable[[list[dict], int, 
     return {
         "direct": lambda messages, seed, max_tokens: run_direct(engine, messages, seed, max_tokens),
         "endpoint": lambda messages, seed, max_tokens: run_endpoint(endpoint, messages, seed, max_tokens),
-        "endpoint_responses": lambda messages, seed, max_tokens: run_responses(endpoint, messages, seed, max_tokens),
+        "endpoint_responses": lambda messages, seed, max_tokens: run_endpoint(
+            endpoint, messages, seed, max_tokens, api="responses"),
         "endpoint_raw_http": lambda messages, seed, max_tokens: run_raw_http(
             endpoint, http, messages, seed, max_tokens),
     }
