@@ -362,12 +362,21 @@ def test_logprobs_and_top_logprobs(scripted, scripted_session):
 
 
 def test_response_format_and_forced_tools_become_engine_constraints(scripted, scripted_session):
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    def accepts(structural_tag: dict, text: str) -> bool:
+        return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(structural_tag)), text)
+
     client = scripted_client(scripted_session)
     scripted.engine.play(Script(['{"a": 1}']), Script([call_text("1")]), Script([call_text("2")]))
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     client.chat.completions.create(model="m", messages=USER_TURN, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
-    assert scripted.engine.requests[-1]["constraint"] == {"json": schema}
+    # JSON in json.dumps layout only: free whitespace would let a constrained model pad its reply.
+    answer = json.loads(scripted.engine.requests[-1]["constraint"]["structural_tag"])
+    assert [accepts(answer, text) for text in ('{"a": 1}', '{}', '{"a":1}', '{ "a": 1}', '{"a": "x"}')] == [
+        True, True, False, False, False]
     required = client.chat.completions.create(model="m", messages=USER_TURN, tools=[CALC_TOOL], tool_choice="required")
     assert required.choices[0].message.tool_calls[0].function.name == "calc"
     tag = json.loads(scripted.engine.requests[-1]["constraint"]["structural_tag"])
@@ -376,4 +385,5 @@ def test_response_format_and_forced_tools_become_engine_constraints(scripted, sc
                                    tool_choice={"type": "function", "function": {"name": "calc"}})
     tag = json.loads(scripted.engine.requests[-1]["constraint"]["structural_tag"])
     assert tag["format"]["type"] == "tag" and '"calc"' in tag["format"]["begin"]
+    assert accepts(tag, call_text("1")) and not accepts(tag, call_text("1").replace('{"e": ', '{"e":  '))
     assert scripted_session.ledger.counts["constrained"] == 3
