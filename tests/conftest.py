@@ -127,3 +127,12 @@ def endpoint(engine) -> EndpointThread:
     thread = EndpointThread(engine)
     yield thread
     engine.run(thread.endpoint.stop())
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir() -> Path:
+    """"tiny" warm-started to call the calculator tool under every framework's tool declaration and
+    then answer (tests/fixtures_models.py build_cached_tool_model; built once, ~1 min, cached)."""
+    from fixtures_models import build_cached_tool_model
+
+    return build_cached_tool_model()

@@ -1,0 +1,61 @@
+"""End to end: agents written with real agent frameworks train through the session endpoint.
+
+Each agent in tests/agents/ drives the calculator task with its framework's own loop: the OpenAI
+Agents SDK on its Chat Completions model and on its Responses model, LangChain's `ChatOpenAI`
+with the tool bound, and pydantic-ai (OpenAI provider, a tool and a structured output). The model
+is warm-started to call the tool and then answer, so most rollouts are two-turn tool
+conversations; each must stay one segment (every later request continues the recorded one), and
+the trainer must score the very tokens the engine sampled.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from test_train_e2e import DEMO, _job_sets, _torchrun
+
+pytestmark = pytest.mark.e2e  # torchrun jobs: not in the unit tier
+
+AGENTS = Path(__file__).parent / "agents"
+# (agent file, environment): the Agents SDK file runs on its chat completions and its Responses model.
+FRAMEWORK_AGENTS = {"openai_agents_chat": ("openai_agents_sdk", {"MOLT_TEST_AGENTS_API": "chat"}),
+                    "openai_agents_responses": ("openai_agents_sdk", {"MOLT_TEST_AGENTS_API": "responses"}),
+                    "langchain_chat": ("langchain_chat", {}), "pydantic_ai_chat": ("pydantic_ai_chat", {})}
+NEW_SEGMENT_REASONS = ("history_rewrite", "template_rewrite", "tools_changed", "version_change")
+
+
+@pytest.mark.parametrize("agent", FRAMEWORK_AGENTS)
+def test_a_framework_agent_trains_one_clean_segment_per_rollout(tmp_path, tiny_tool_model_dir, demo_data_dir, agent):
+    out = tmp_path / "run"
+    agent_file, env = FRAMEWORK_AGENTS[agent]
+    # Synchronous (from _job_sets), so the trainer scores each step's tokens under the weights that
+    # sampled them; 32 tokens fit pydantic-ai's final_result call; 1024 fit its retry prompts.
+    sets = _job_sets(tiny_tool_model_dir, demo_data_dir, out, **{
+        "agent.path": AGENTS / f"{agent_file}.py", "train.num_steps": 2, "refit.check_every_steps": 2,
+        "rollout.max_response_tokens": 32, "rollout.max_length": 1024})
+    done = _torchrun(2, f"{DEMO}:tool_agent", sets, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2]
+    failed = [line for line in done.stderr.splitlines() if "failed (" in line][:3]  # why, in the rank's log
+    for row in steps:
+        assert row["rollout/failed"] == 0, ({k: v for k, v in row.items() if k.startswith("rollout/failed_")}, failed)
+        assert row["rollout/num_rollouts"] == 16 and row["rollout/num_groups"] == 4, row
+        # One session per rollout, opened once; the tool turns continued its segment.
+        assert row["drift/first_turn"] == 16, row
+        assert row["rollout/segments_per_rollout"] == 1.0, row
+        assert not {reason: row[f"drift/{reason}"] for reason in NEW_SEGMENT_REASONS if row.get(f"drift/{reason}")}
+        assert row.get("drift/continued", 0) >= 8, row  # the warm-started model calls the tool nearly always
+        # The trainer recomputes the engine's log-probs of the recorded tokens: KL(behaviour || trainer)
+        # is rounding only (a token or context the engine did not see would show as ~1e-2 or more).
+        # Replies under a grammar (pydantic-ai's tool_choice "required") carry the masked
+        # distribution's log-probs (molt/endpoint/constraints.py), above the trainer's by the mass
+        # the mask removed: small while the grammar allows the tokens this model writes (~0.03 at
+        # most here), large when it forces tokens the model would not write.
+        limit = 0.1 if row.get("drift/constrained") else 1e-6
+        assert row["train/mismatch_kl"] < limit, row
+        assert row["train/num_action_tokens"] > 0 and math.isfinite(row["train/loss"]), row
+    gaps = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
+    assert gaps and all(gap <= 1e-4 for gap in gaps), gaps
