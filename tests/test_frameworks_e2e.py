@@ -2,7 +2,8 @@
 
 Each agent in tests/agents/ drives the calculator task with its framework's own loop: the OpenAI
 Agents SDK on its Chat Completions model and on its Responses model, LangChain's `ChatOpenAI`
-with the tool bound, and pydantic-ai (OpenAI provider, a tool and a structured output). The model
+with the tool bound, and pydantic-ai (OpenAI provider, a tool and a structured output); and the
+plain OpenAI SDK sampling one turn at its own temperature (the sampling contract). The model
 is warm-started to call the tool and then answer, so most rollouts are two-turn tool
 conversations; each must stay one segment (every later request continues the recorded one), and
 the trainer must score the very tokens the engine sampled.
@@ -21,7 +22,9 @@ AGENTS = Path(__file__).parent / "agents"
 # (agent file, environment): the Agents SDK file runs on its chat completions and its Responses model.
 FRAMEWORK_AGENTS = {"openai_agents_chat": ("openai_agents_sdk", {"MOLT_TEST_AGENTS_API": "chat"}),
                     "openai_agents_responses": ("openai_agents_sdk", {"MOLT_TEST_AGENTS_API": "responses"}),
-                    "langchain_chat": ("langchain_chat", {}), "pydantic_ai_chat": ("pydantic_ai_chat", {})}
+                    "langchain_chat": ("langchain_chat", {}), "pydantic_ai_chat": ("pydantic_ai_chat", {}),
+                    # The plain SDK with the agent's own temperature (0.7) on its first turn.
+                    "temperature_override": ("temperature_override", {})}
 NEW_SEGMENT_REASONS = ("history_rewrite", "template_rewrite", "tools_changed", "version_change")
 
 
