@@ -155,3 +155,10 @@ def test_an_agents_own_temperature_reaches_the_experience(engine, endpoint):
         [0.7] * sum(experience.action_mask)
     (default,) = _run(engine, endpoint, CompactingAgent).experiences[:1]
     assert default.temperatures is None  # sampled at rollout.temperature: nothing extra to ship
+
+
+def test_a_prompt_that_does_not_fit_fails_as_prompt_too_long(engine, endpoint):
+    request = _request()
+    request.max_length = 8
+    outcome = _run(engine, endpoint, TemperatureAgent, request)
+    assert outcome.failure == "prompt_too_long" and "rollout.max_length=8" in outcome.error

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from molt.agents.base import AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest, SamplingParams
+from molt.agents.env import PromptTooLong
 from molt.experience import Experience, Segment
 
 
@@ -92,6 +93,9 @@ class ChatAgentRunner(AgentRunnerBase):
         finally:
             record = await self.endpoint.end_session(session)
         if record.context_exhausted:
+            if not record.segments:
+                raise PromptTooLong(f"the prompt does not fit rollout.max_length={request.max_length} tokens: "
+                                    f"raise it or shorten the prompt")
             if self.on_context_exhausted == "fail":
                 raise ContextExhausted(f"the conversation outgrew rollout.max_length={request.max_length} tokens "
                                        f"(agent.on_context_exhausted='fail')")

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest, Sampler,
-                              SamplingParams)
+from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
+                              Sampler, SamplingParams)
 from molt.experience import Experience, Segment
 
 logger = logging.getLogger("molt")
