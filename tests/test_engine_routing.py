@@ -9,7 +9,8 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import MoltConfig
-from molt.controller import EngineRouter, RolloutController, estimate_rollout_tokens
+from molt.controller import RolloutController
+from molt.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.experience import Experience
 from molt.rollout import encode_outcome
 from molt.wire import Router, connect_dealer, pack, unpack

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from molt.agents.base import SamplingParams
 from molt.endpoint.constraints import build_constraint
 from molt.endpoint.errors import ContextLengthExceeded, RequestError
-from molt.endpoint.messages import ChatRequest, Reply, Started, TokenLogprob, reply_message, template_message
+from molt.endpoint.messages import ChatRequest, Reply, Started, TokenLogprob, ToolCall, reply_message, template_message
 from molt.endpoint.tool_calls import ToolCallParser, merged_parts
 from molt.experience import Segment
 
@@ -85,7 +85,8 @@ class Session:
                 return item
         raise RequestError(500, "generation ended without a reply", "api_error")
 
-    async def stream(self, chat: ChatRequest, *, incremental: bool = True) -> AsyncIterator[str | Reply]:
+    async def stream(self, chat: ChatRequest, *,
+                     incremental: bool = True) -> AsyncIterator[Started | str | ToolCall | Reply]:
         """Yield Started once the prompt is rendered, then content strings and complete ToolCalls
         as they are generated (when `incremental`; otherwise all at the end), then the Reply.
         Errors before Started (a bad or too long conversation) are the request's; later ones
@@ -114,12 +115,6 @@ class Session:
         if budget <= 0:
             self.context_exhausted = True
             raise ContextLengthExceeded(len(prompt_ids), self.max_length)
-        yield Started(prompt_tokens=len(prompt_ids))
-        sampling = chat.sampling
-        temperature = self.default_sampling.temperature if sampling.temperature is None else sampling.temperature
-        params = SamplingParams(max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
-                                temperature=temperature, top_p=self.default_sampling.top_p)
-        seed = None if sampling.seed is None else hash((sampling.seed, self.seed_salt)) & (2**63 - 1)
         constraint = build_constraint(chat)
         parser = self.tool_parser(chat.tool_choice.mode != "none")
         if constraint is not None and chat.tool_choice.mode in ("required", "function") \
@@ -127,6 +122,12 @@ class Session:
             raise RequestError(400, f"tool_choice={chat.tool_choice.mode!r} forces a call in the <tool_call> format, "
                                     f"but this model's calls are read by another parser (rollout.tool_call_parser); "
                                     f"use tool_choice 'auto'", param="tool_choice")
+        yield Started(prompt_tokens=len(prompt_ids))
+        sampling = chat.sampling
+        temperature = self.default_sampling.temperature if sampling.temperature is None else sampling.temperature
+        params = SamplingParams(max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
+                                temperature=temperature, top_p=self.default_sampling.top_p)
+        seed = None if sampling.seed is None else hash((sampling.seed, self.seed_salt)) & (2**63 - 1)
         sampled, logprobs, versions, top, parts = [], [], [], [], []
         finish_reason, stop_reason = None, None
         # aclosing: when this generator is closed early (the client went away), close the engine
