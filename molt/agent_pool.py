@@ -145,7 +145,8 @@ class AgentWorkerPool:
             rank=self.rank, index=index, identity=identity, address=self.address, parent_pid=os.getpid(),
             agent_path=self.cfg.agent.path, model_path=self.cfg.model.path,
             rollout_timeout_seconds=self.cfg.agent.rollout_timeout_seconds,
-            share_tls_context=self.cfg.agent.share_tls_context, on_context_exhausted=self.cfg.agent.on_context_exhausted,
+            share_tls_context=self.cfg.agent.share_tls_context,
+            on_context_exhausted=self.cfg.agent.on_context_exhausted,
             context_exhausted_reward=self.cfg.agent.context_exhausted_reward)
         process = self._spawn_context.Process(target=run_agent_worker, args=(settings,),
                                               name=f"molt-agent-worker-{self.rank}.{index}")

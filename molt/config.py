@@ -113,7 +113,8 @@ class RolloutConfig:
     max_length: int = 1024
     """Longest token sequence of one segment (prompt + context + responses)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer recomputes log-probs at the same temperature."""
+    """Sampling temperature, and a ChatAgent request's default; the trainer recomputes each token's
+    log-prob at the temperature it was sampled at (a request may set its own)."""
     top_p: float = 1.0
     """Nucleus sampling mass; must be 1.0: the trainer recomputes log-probs over the full vocabulary."""
     tool_call_parser: str = "hermes"
@@ -138,7 +139,7 @@ class RolloutConfig:
     with asyncio; user agent code runs only there, never in the rank with the engine."""
     group_affinity: bool = True
     """Run a group's rollouts on one engine (its prompt prefilled once, then prefix-cached) while load
-    allows (molt.controller.EngineRouter); False: each rollout goes to the least-loaded engine."""
+    allows (molt.engine_router.EngineRouter); False: each rollout goes to the least-loaded engine."""
 
 
 @dataclass(kw_only=True)

@@ -82,7 +82,8 @@ class StepRollouts:
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
     trained_prompts: list[int] = field(default_factory=list)  # prompt-file index of each group in `groups`
     dropped_prompts: list[int] = field(default_factory=list)  # ... of each group released but dropped
-    rank_metrics: dict[str, float] = field(default_factory=dict)  # the rollout ranks' store, process, engine metrics, summed
+    # The rollout ranks' payload-store, process and engine metrics, summed:
+    rank_metrics: dict[str, float] = field(default_factory=dict)
 
     def merge(self, later: StepRollouts) -> None:
         """Add later groups of the same step: they go after these (dispatch order), counts add up."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from molt.agents.base import AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest, SamplingParams
+from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
+                              SamplingParams)
 from molt.agents.env import PromptTooLong
 from molt.experience import Experience, Segment
 

@@ -62,8 +62,8 @@ def parse_messages_request(body: dict) -> ChatRequest:
     seed = body.get("seed")  # not in the Anthropic API; accepted (via extra_body) for reproducible rollouts
     check(seed is None or _is_int(seed), f"'seed' must be an integer, got {seed!r}")
     tools = convert_tools(optional(body, "tools", list) or [])
-    sampling = Sampling(max_tokens=max_tokens, temperature=sampling_temperature(body), stop=tuple(stop) if stop else None,
-                        seed=seed)
+    sampling = Sampling(max_tokens=max_tokens, temperature=sampling_temperature(body),
+                        stop=tuple(stop) if stop else None, seed=seed)
     return ChatRequest(messages=normalize_messages(convert_messages(body.get("messages"), body.get("system"))),
                        tools=tools or None, tool_choice=_tool_choice(body.get("tool_choice"), tools),
                        sampling=sampling, stream=body.get("stream", False))
@@ -229,8 +229,8 @@ def _is_int(value) -> bool:
 def build_message(reply: Reply, *, model: str, message_id: str | None = None) -> dict:
     """The non-streaming `message` object: the reply's text and tool calls as blocks, in order."""
     message = _message_skeleton(message_id or _message_id(), model, reply.prompt_tokens)
-    blocks = [{"type": "text", "text": part} if isinstance(part, str) else _tool_use_block(part, json.loads(part.arguments))
-              for part in reply.parts]
+    blocks = [{"type": "text", "text": part} if isinstance(part, str)
+              else _tool_use_block(part, json.loads(part.arguments)) for part in reply.parts]
     # A reply with neither text nor tool calls still gets its (empty) text block, so agents that
     # read `content[0].text` see an empty answer rather than an IndexError.
     message["content"] = blocks or [{"type": "text", "text": ""}]
@@ -275,8 +275,8 @@ class MessageEvents:
         self.text_open = False
 
     async def start(self, started: Started) -> None:
-        await self._event("message_start", {"type": "message_start",
-                                            "message": _message_skeleton(_message_id(), self.model, started.prompt_tokens)})
+        message = _message_skeleton(_message_id(), self.model, started.prompt_tokens)
+        await self._event("message_start", {"type": "message_start", "message": message})
 
     async def text(self, text: str) -> None:
         if not self.text_open:

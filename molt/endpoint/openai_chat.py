@@ -48,8 +48,8 @@ def parse_chat_request(body: dict) -> ChatRequest:
     for penalty in ("frequency_penalty", "presence_penalty"):
         value = number_in(body, penalty, -2.0, 2.0)
         if value:
-            raise RequestError(400, f"{penalty}={value:g} is not supported: it changes the sampled distribution, which the "
-                         f"trainer could not reproduce; leave it unset", param=penalty)
+            raise RequestError(400, f"{penalty}={value:g} is not supported: it changes the sampled distribution, "
+                                    f"which the trainer could not reproduce; leave it unset", param=penalty)
     max_tokens = positive_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = positive_int(body, "max_tokens")
@@ -82,9 +82,9 @@ def parse_function_tools(tools: list, *, nested: bool) -> list[dict]:
     converted = []
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
-        check(isinstance(tool, dict) and tool.get("type") == "function",
-              f"{where} must be an object with type 'function' (got type {tool.get('type') if isinstance(tool, dict) else tool!r}); "
-              f"only function tools are supported", where)
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        check(isinstance(tool, dict) and kind == "function",
+              f"{where} must be an object with type 'function' (got {kind!r}); only function tools are supported", where)
         function = tool.get("function") if nested else tool
         check(isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"],
               f"{where}{'.function' if nested else ''} must have a non-empty string 'name'", where)
