@@ -28,8 +28,18 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the field and the fix."""
 
 
+class ConfigSection:
+    """Base of every config dataclass: assigning a name that is not a field fails, so a recipe typo
+    (`cfg.train.lerning_rate = 1e-4`) is refused instead of kept as an attribute nothing reads."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.__dataclass_fields__:
+            raise ConfigError(_unknown_field_message(type(self), name))
+        object.__setattr__(self, name, value)
+
+
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(ConfigSection):
     path: str = ""
     """Hugging Face model directory used by the trainer and the engines."""
     dtype: str = "float32"
@@ -40,7 +50,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class LayoutConfig:
+class LayoutConfig(ConfigSection):
     num_trainer_ranks: int = 1
     """Ranks 0..T-1 train (FSDP2 data-parallel); the rest host one vLLM engine each."""
     num_rollout_ranks: int = 1
@@ -67,7 +77,7 @@ class LayoutConfig:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(ConfigSection):
     train_path: str = ""
     """Chat-format prompts, .jsonl or .parquet."""
     shuffle: bool = True
@@ -75,7 +85,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class AgentConfig:
+class AgentConfig(ConfigSection):
     path: str = ""
     """Python file defining `AgentRunner` (a StepEnvRunner or ChatAgentRunner subclass)."""
     max_turns: int = 1
@@ -103,7 +113,7 @@ class AgentConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(ConfigSection):
     prompts_per_step: int = 8
     """Prompts per optimizer step; each becomes a group of n_samples_per_prompt rollouts."""
     n_samples_per_prompt: int = 8
@@ -143,7 +153,7 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(ConfigSection):
     num_steps: int = 100
     """Optimizer steps to run."""
     learning_rate: float = 1e-5
@@ -199,7 +209,7 @@ TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
+class AlgorithmConfig(ConfigSection):
     advantage_estimator: str = "grpo"
     """grpo | dr_grpo | group_mean | rloo (per rollout, within its prompt group) | reinforce_pp |
     gae (per token; gae trains a critic). Formulas in docs/objectives.md."""
@@ -256,7 +266,7 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True)
-class RefitConfig:
+class RefitConfig(ConfigSection):
     bucket_megabytes: float = 64.0
     """Size of one broadcast bucket; control messages per refit are O(buckets)."""
     timeout_seconds: float = 120.0
@@ -275,7 +285,7 @@ class RefitConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(ConfigSection):
     dir: str = ""
     """Where checkpoints go, one step_<N> directory each ('' = <output_dir>/checkpoints)."""
     interval_steps: int = 0
@@ -284,10 +294,12 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are removed after a newer one is complete."""
     resume: str = ""
     """'' = start fresh | 'auto' = the newest complete checkpoint in dir, if any | a step_<N> directory."""
+    overwrite: bool = False
+    """A fresh start may write into a checkpoint.dir holding another run's checkpoints: they are deleted first."""
 
 
 @dataclass(kw_only=True)
-class PayloadConfig:
+class PayloadConfig(ConfigSection):
     budget_megabytes: float = 1024.0
     """Shared memory one rollout rank's payload store may hold (experiences' token-axis tensors
     until their trainer rank has them); past it, payloads spill to files in spill_dir."""
@@ -301,7 +313,7 @@ class PayloadConfig:
 
 
 @dataclass(kw_only=True)
-class MetricsConfig:
+class MetricsConfig(ConfigSection):
     output_dir: str = ""
     """Run directory for metrics.jsonl, config.json and W&B files ('' = runs/<name>)."""
     wandb_mode: str = "disabled"
@@ -311,7 +323,7 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
-class MoltConfig:
+class MoltConfig(ConfigSection):
     name: str = "run"
     """Run name, used for the output directory and W&B."""
     seed: int = 0
@@ -363,7 +375,10 @@ def load_config(spec: str, overrides: list[str] = ()) -> MoltConfig:
     if not callable(function):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         raise ConfigError(f"--config {spec!r}: {path} has no function {function_name!r}; it has {names}")
-    cfg = function()
+    try:
+        cfg = function()
+    except ConfigError as error:
+        raise ConfigError(f"--config {spec!r}: {error}") from error
     if not isinstance(cfg, MoltConfig):
         raise ConfigError(f"--config {spec!r}: {function_name}() returned {type(cfg).__name__}, not MoltConfig")
     for item in overrides:
@@ -383,8 +398,8 @@ def apply_override(cfg: MoltConfig, item: str) -> None:
         if part not in fields:
             prefix = ".".join(parts[:depth])
             valid = [f"{prefix}.{n}" if prefix else n for n in fields]
-            close = difflib.get_close_matches(key, _all_keys(cfg), n=1) or valid[:1]
-            raise ConfigError(f"--set {item!r}: unknown key {key!r}; did you mean {close[0]!r}?")
+            close = _closest(key, _all_keys(cfg)) or valid[0]
+            raise ConfigError(f"--set {item!r}: unknown key {key!r}; did you mean {close!r}?")
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(target, part)):
                 raise ConfigError(f"--set {item!r}: {key!r} is a section; set one of its fields")
@@ -394,6 +409,26 @@ def apply_override(cfg: MoltConfig, item: str) -> None:
             target = getattr(target, part)
             if not dataclasses.is_dataclass(target):
                 raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])!r} is not a section")
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    matches = difflib.get_close_matches(name, candidates, n=1)
+    return matches[0] if matches else None
+
+
+def _section_prefix(cls: type) -> str:
+    """'train.' for TrainConfig, '' for the root MoltConfig."""
+    for f in dataclasses.fields(MoltConfig):
+        if f.default_factory is cls:
+            return f"{f.name}."
+    return ""
+
+
+def _unknown_field_message(cls: type, name: str) -> str:
+    prefix, fields = _section_prefix(cls), list(cls.__dataclass_fields__)
+    close = _closest(name, fields)
+    fix = f"did you mean {prefix + close!r}?" if close else f"its fields are {', '.join(fields)}"
+    return f"{prefix}{name}: {cls.__name__} has no field {name!r}; {fix}"
 
 
 def _all_keys(cfg, prefix: str = "") -> list[str]:
@@ -450,7 +485,41 @@ def check_trainer_mesh(layout: LayoutConfig, check) -> None:
 
 
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", str(hint))
+    return str(hint) if typing.get_origin(hint) else getattr(hint, "__name__", str(hint))
+
+
+def field_type_errors(section: ConfigSection, prefix: str = "") -> list[str]:
+    """One message per field whose value does not match its annotation (recipes assign plain Python,
+    which nothing converts; `--set` converts, so its values always match)."""
+    errors, hints = [], typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value, hint = prefix + f.name, getattr(section, f.name), hints[f.name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
+            errors += field_type_errors(value, f"{key}.")
+        elif not _has_type(value, hint):
+            got = (f"({', '.join(type(item).__name__ for item in value)})" if isinstance(value, tuple)
+                   else type(value).__name__)
+            errors.append(f"{key}={value!r}: expected {_type_name(hint)}, got {got}")
+    return errors
+
+
+def _has_type(value, hint) -> bool:
+    """isinstance against an annotation: an int is not a bool, a float field takes an int, and a tuple
+    is checked item by item (tuple[float, float] also by length)."""
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_has_type(item, args[0]) for item in value)
+        return len(value) == len(args) and all(map(_has_type, value, args))
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in args)
+    return isinstance(value, origin or hint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +531,9 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
 
     `require_files=False` (--dry-run) skips the existence checks of model.path, data.train_path and
     agent.path, which need only be there at run time."""
-    errors = []
+    errors = field_type_errors(cfg)
+    if errors:  # the range checks below compare values and would fail on a value of the wrong type
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
     def check(ok: bool, message: str) -> None:
         if not ok:
@@ -502,7 +573,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"data.train_path={cfg.data.train_path!r} is not a file: point it at a .jsonl or .parquet prompt set")
     check(bool(cfg.agent.path) and (not require_files or Path(cfg.agent.path).is_file()),
           f"agent.path={cfg.agent.path!r} is not a file: point it at a Python file defining AgentRunner")
+    check(cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0 (the engines' samplers take unsigned seeds)")
     check(cfg.agent.max_turns >= 1, f"agent.max_turns={cfg.agent.max_turns}: need at least 1")
+    check(cfg.agent.rollout_timeout_seconds > 0,
+          f"agent.rollout_timeout_seconds={cfg.agent.rollout_timeout_seconds}: must be > 0")
     check(cfg.agent.on_context_exhausted in ("train_truncated", "fail"),
           f"agent.on_context_exhausted={cfg.agent.on_context_exhausted!r}: use train_truncated or fail")
     check(cfg.agent.on_failed_rollout in ("drop_group", "refill"),
@@ -525,6 +599,8 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"(got {rollout.n_samples_per_prompt}): its baseline is the rest of the prompt's group")
     check(0 < algo.gamma <= 1, f"algorithm.gamma={algo.gamma}: must be in (0, 1]")
     check(0 <= algo.gae_lambda <= 1, f"algorithm.gae_lambda={algo.gae_lambda}: must be in [0, 1]")
+    check(0 <= algo.clip_eps_low < 1, f"algorithm.clip_eps_low={algo.clip_eps_low}: must be in [0, 1)")
+    check(algo.clip_eps_high >= 0, f"algorithm.clip_eps_high={algo.clip_eps_high}: must be >= 0")
     check(algo.dual_clip == 0 or algo.dual_clip > 1, f"algorithm.dual_clip={algo.dual_clip}: use 0 (off) or > 1")
     level, mode, (low, high) = algo.importance_level, algo.importance_mode, algo.importance_band
     check(level in ("off", "token", "seq", "geo"),
@@ -550,7 +626,13 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(rollout.max_response_tokens < rollout.max_length,
           f"rollout.max_response_tokens={rollout.max_response_tokens} must be below "
           f"rollout.max_length={rollout.max_length}")
+    check(rollout.max_response_tokens >= 1,
+          f"rollout.max_response_tokens={rollout.max_response_tokens}: need at least 1")
     check(rollout.temperature > 0, f"rollout.temperature={rollout.temperature}: must be > 0")
+    check(rollout.engine_threads >= 0,
+          f"rollout.engine_threads={rollout.engine_threads}: must be >= 0 (0 = vLLM's default)")
+    check(rollout.engine_start_timeout_seconds > 0,
+          f"rollout.engine_start_timeout_seconds={rollout.engine_start_timeout_seconds}: must be > 0")
     check(rollout.top_p == 1.0,
           f"rollout.top_p={rollout.top_p}: must be 1.0; the trainer recomputes log-probs over the full vocabulary, "
           f"so nucleus sampling would make them differ from the behaviour log-probs (the sampling contract, "
@@ -585,6 +667,8 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(cfg.payloads.fetch_timeout_seconds > 0, f"payloads.fetch_timeout_seconds={cfg.payloads.fetch_timeout_seconds}: must be > 0")
     check(not cfg.payloads.node_id or bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.payloads.node_id)),
           f"payloads.node_id={cfg.payloads.node_id!r}: 1-64 characters of letters, digits, '_', '.', '-'")
+    check(cfg.refit.check_every_steps >= 0,
+          f"refit.check_every_steps={cfg.refit.check_every_steps}: must be >= 0 (0 = never)")
     check(cfg.refit.max_attempts >= 1, f"refit.max_attempts={cfg.refit.max_attempts}: must be >= 1")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
           f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")
@@ -632,6 +716,10 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio={train.min_lr_ratio}: must be in [0, 1]")
     check(train.learning_rate > 0, f"train.learning_rate={train.learning_rate}: must be > 0")
     check(train.adam_eps > 0, f"train.adam_eps={train.adam_eps}: must be > 0")
+    check(all(0 <= beta < 1 for beta in train.adam_betas),
+          f"train.adam_betas={tuple(train.adam_betas)}: each must be in [0, 1)")
+    check(train.weight_decay >= 0, f"train.weight_decay={train.weight_decay}: must be >= 0")
+    check(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm}: must be >= 0 (0 disables clipping)")
     unknown = [name for name in train.no_weight_decay_on if name not in NO_DECAY_GROUPS]
     check(not unknown, f"train.no_weight_decay_on={tuple(train.no_weight_decay_on)}: unknown {unknown}; "
                        f"use any of {', '.join(NO_DECAY_GROUPS)}")

@@ -1,5 +1,8 @@
 """Config loading, overrides and start-up validation."""
 
+import ast
+import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -123,6 +126,19 @@ def test_streaming_with_partial_rollout_and_importance_correction_passes(tmp_pat
     (lambda c: setattr(c.train, "ppo_epochs", 0), 2, "train.ppo_epochs=0: need at least 1"),
     (lambda c: setattr(c.train, "logprob_chunk_tokens", 0), 2, "train.logprob_chunk_tokens=0: need at least 1"),
     (lambda c: setattr(c.train, "max_consecutive_nonfinite_steps", 0), 2, "max_consecutive_nonfinite_steps=0"),
+    (lambda c: setattr(c, "seed", -1), 2, "seed=-1: must be >= 0"),
+    (lambda c: setattr(c.agent, "rollout_timeout_seconds", 0), 2, "agent.rollout_timeout_seconds=0: must be > 0"),
+    (lambda c: setattr(c.rollout, "max_response_tokens", 0), 2, "rollout.max_response_tokens=0: need at least 1"),
+    (lambda c: setattr(c.rollout, "engine_threads", -1), 2, "rollout.engine_threads=-1: must be >= 0"),
+    (lambda c: setattr(c.rollout, "engine_start_timeout_seconds", 0.0), 2,
+     "rollout.engine_start_timeout_seconds=0.0: must be > 0"),
+    (lambda c: setattr(c.train, "adam_betas", (0.9, 1.0)), 2,
+     r"train.adam_betas=\(0.9, 1.0\): each must be in \[0, 1\)"),
+    (lambda c: setattr(c.train, "weight_decay", -0.1), 2, "train.weight_decay=-0.1: must be >= 0"),
+    (lambda c: setattr(c.train, "max_grad_norm", -1.0), 2, "train.max_grad_norm=-1.0: must be >= 0"),
+    (lambda c: setattr(c.algorithm, "clip_eps_low", 1.0), 2, r"algorithm.clip_eps_low=1.0: must be in \[0, 1\)"),
+    (lambda c: setattr(c.algorithm, "clip_eps_high", -0.2), 2, "algorithm.clip_eps_high=-0.2: must be >= 0"),
+    (lambda c: setattr(c.refit, "check_every_steps", -1), 2, "refit.check_every_steps=-1: must be >= 0"),
     (lambda c: (setattr(c, "device", "cpu"), setattr(c.train, "cpu_offload", True)), 2,
      "train.cpu_offload=True on a CPU run: it keeps parameters, gradients and AdamW state in host memory to save GPU"),
 ])
@@ -159,7 +175,8 @@ def test_config_cli_prints_the_resolved_config(tmp_path):
     (lambda a: setattr(a, "filter_band", (1.0, 1.0)),
      r"algorithm.filter_band=\(1.0, 1.0\): needs \(low, high\) with low < high"),
     (lambda a: setattr(a, "filter_band", (0.5, 0.2)), r"algorithm.filter_band=\(0.5, 0.2\)"),
-    (lambda a: setattr(a, "filter_band", (0.5,)), r"algorithm.filter_band=\(0.5,\): needs \(low, high\)"),
+    (lambda a: setattr(a, "filter_band", (0.5,)),
+     r"algorithm.filter_band=\(0.5,\): expected tuple\[float, float\], got \(float\)"),
     (lambda a: setattr(a, "max_backfill_prompts", -1), "algorithm.max_backfill_prompts=-1: must be >= 0"),
 ])
 def test_group_filter_settings_are_validated(tmp_path, change, expected):
@@ -190,3 +207,85 @@ def test_group_filter_settings_are_set_from_the_command_line():
         apply_override(cfg, item)
     algo = cfg.algorithm
     assert (algo.filter_groups, algo.filter_band, algo.max_backfill_prompts) == (True, (0.1, 0.9), 8)
+
+
+@pytest.mark.parametrize("section, typo, expected", [
+    ("", "nme", "'name'"),
+    ("model", "dtpye", "'model.dtype'"),
+    ("layout", "num_trainer_rank", "'layout.num_trainer_ranks'"),
+    ("data", "train_pth", "'data.train_path'"),
+    ("agent", "max_turn", "'agent.max_turns'"),
+    ("rollout", "temprature", "'rollout.temperature'"),
+    ("train", "lerning_rate", "'train.learning_rate'"),
+    ("algorithm", "kl_coeff", "'algorithm.kl_coef'"),
+    ("refit", "timeout_second", "'refit.timeout_seconds'"),
+    ("payloads", "budget_megabyte", "'payloads.budget_megabytes'"),
+    ("checkpoint", "keep_lst", "'checkpoint.keep_last'"),
+    ("metrics", "wandb_mod", "'metrics.wandb_mode'"),
+])
+def test_a_recipe_typo_names_the_closest_field(section, typo, expected):
+    cfg = MoltConfig()
+    target = getattr(cfg, section) if section else cfg
+    with pytest.raises(ConfigError, match=f"{section + '.' if section else ''}{typo}: {type(target).__name__} has no "
+                                          f"field '{typo}'; did you mean {expected}"):
+        setattr(target, typo, 1)
+    assert typo not in vars(target)
+
+
+def test_a_typo_in_a_recipe_file_fails_loading_it(tmp_path):
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("from molt.config import MoltConfig\n\n\ndef config():\n    cfg = MoltConfig()\n"
+                      "    cfg.train.lerning_rate = 1e-4\n    return cfg\n")
+    expected = r"--config '.*recipe.py': train.lerning_rate: .* did you mean 'train.learning_rate'"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(str(recipe))
+
+
+def test_guarded_sections_still_copy_replace_and_serialize():
+    cfg = load_config(DEMO)
+    twin = copy.deepcopy(cfg)
+    assert twin == cfg and twin.train is not cfg.train
+    twin.train.num_steps = 7  # fields stay assignable on copies
+    assert dataclasses.replace(cfg.train, num_steps=7) == twin.train
+    assert json.loads(json.dumps(cfg.to_dict()))["train"]["num_steps"] == cfg.train.num_steps
+
+
+@pytest.mark.parametrize("section, name, value, expected", [
+    ("train", "num_steps", "10", "train.num_steps='10': expected int, got str"),
+    ("train", "learning_rate", "1e-4", "train.learning_rate='1e-4': expected float, got str"),
+    ("agent", "max_turns", True, "agent.max_turns=True: expected int, got bool"),
+    ("rollout", "prompts_per_step", 8.0, "rollout.prompts_per_step=8.0: expected int, got float"),
+    ("data", "shuffle", 1, "data.shuffle=1: expected bool, got int"),
+    ("train", "no_weight_decay_on", ["norms"],
+     r"train.no_weight_decay_on=\['norms'\]: expected tuple\[str, ...\], got list"),
+    ("algorithm", "importance_band", ("0.5", 2.0),
+     r"algorithm.importance_band=\('0.5', 2.0\): expected tuple\[float, float\], got \(str, float\)"),
+    ("", "layout", {"num_trainer_ranks": 1}, "layout={'num_trainer_ranks': 1}: expected LayoutConfig, got dict"),
+])
+def test_validation_checks_the_type_of_every_field(tmp_path, section, name, value, expected):
+    cfg = _valid_config(tmp_path)
+    setattr(getattr(cfg, section) if section else cfg, name, value)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg, world_size=2)
+
+
+def test_a_float_field_takes_an_int(tmp_path):
+    cfg = _valid_config(tmp_path)
+    cfg.layout.gpu_memory_gigabytes, cfg.refit.bucket_megabytes = 79, 64
+    validate_config(cfg, world_size=2)
+
+
+def _recipe_specs() -> list[str]:
+    """PATH:FUNCTION of every function in configs/*.py declared to return a MoltConfig."""
+    specs = []
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and ast.unparse(node.returns or ast.Constant(None)) == "MoltConfig":
+                specs.append(f"{path}:{node.name}")
+    return specs
+
+
+@pytest.mark.parametrize("spec", _recipe_specs(), ids=lambda spec: Path(spec).name)
+def test_every_shipped_recipe_validates(spec):
+    cfg = load_config(spec)
+    validate_config(cfg, world_size=cfg.world_size, require_files=False)
