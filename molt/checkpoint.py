@@ -9,12 +9,17 @@ A checkpoint is a directory `step_<N>` holding
   every group in flight, re-dispatched first on resume), its id counters and accounting totals,
   the W&B run id, and rank 0's Python RNG state;
 - `rng_rank<R>.json`: each trainer rank's torch RNG state;
-- `COMPLETE`: the marker, written last.
+- `COMPLETE`: the marker, written last, with the step and the id of the run that wrote it.
 
 It is written aside (`.step_<N>.partial`), renamed into place, and only then marked complete; a
 checkpoint without the marker is never loaded, and older checkpoints are removed only after the
 new one is complete, so a writer killed at any point leaves the previous checkpoint loadable.
 The frozen reference model is not saved: it is rebuilt from model.path, as at the start.
+
+Each run has an id, kept by a run that resumes it. A fresh start refuses a directory that holds
+checkpoints (`check_fresh_start`), and rotation removes only the run's own, so a new run never
+deletes its new checkpoints in favour of an old run's higher steps, nor leaves those for
+`resume=auto` to load.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import random
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -33,10 +39,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from molt.config import ConfigError
+
 logger = logging.getLogger("molt")
 
 COMPLETE = "COMPLETE"
 STEP_PATTERN = re.compile(r"step_(\d{8})")
+PARTIAL_PATTERN = re.compile(r"\.step_(\d{8})\.partial")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -65,6 +74,35 @@ def resolve_resume(resume: str, root: str | Path) -> Path | None:
     return path
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def checkpoint_run_id(path: Path) -> str:
+    """The id of the run that wrote a complete checkpoint ('' for one written before runs had ids)."""
+    return json.loads((path / COMPLETE).read_text()).get("run_id", "")
+
+
+def check_fresh_start(root: str | Path, *, overwrite: bool, rank: int) -> None:
+    """Before a fresh start that will write checkpoints: refuse a `root` holding checkpoints (an
+    earlier run's), or with `overwrite` delete them (rank 0) with everything a killed writer left."""
+    found = complete_checkpoints(root)
+    if not found:
+        return
+    steps = [int(STEP_PATTERN.fullmatch(p.name)[1]) for p in found]
+    shown = ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    what = f"checkpoint.dir={str(root)!r} holds {len(found)} complete checkpoint(s) of an earlier run (steps {shown})"
+    if not overwrite:
+        raise ConfigError(f"{what}; a fresh start would write its own among them. Continue that run with "
+                          f"--set checkpoint.resume=auto, or start fresh in a new directory (--set checkpoint.dir=...) "
+                          f"or with --set checkpoint.overwrite=true, which deletes them first")
+    if rank == 0:
+        logger.warning("%s: checkpoint.overwrite=true, deleting them", what)
+        for path in Path(root).iterdir():
+            if STEP_PATTERN.fullmatch(path.name) or PARTIAL_PATTERN.fullmatch(path.name):
+                shutil.rmtree(path)
+
+
 def read_wandb_run_id(path: Path | None) -> str | None:
     """The W&B run id a checkpoint was written under, so a resumed run logs into the same run."""
     if path is None:
@@ -87,8 +125,9 @@ def _model_state(trainables: dict) -> dict:
 
 
 def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dist.ProcessGroup, rank: int,
-                    state: dict | None, keep_last: int) -> Path:
-    """Collective over the trainer ranks; `state` (rank 0's pipeline state) is None elsewhere."""
+                    state: dict | None, keep_last: int, run_id: str = "") -> Path:
+    """Collective over the trainer ranks; `state` (rank 0's pipeline state) is None elsewhere.
+    `run_id` (rank 0's) goes in the marker; rotation keeps the newest `keep_last` of this run's own."""
     final = step_dir(root, step)
     partial = final.with_name(f".{final.name}.partial")
     if rank == 0:
@@ -105,9 +144,10 @@ def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dis
     dist.barrier(group=group)
     if rank == 0:
         os.rename(partial, final)
-        _write_json(final / COMPLETE, {"step": step})
+        _write_json(final / COMPLETE, {"step": step, "run_id": run_id})
         _fsync_dir(final.parent)
-        for old in complete_checkpoints(root)[:-keep_last]:
+        own = [path for path in complete_checkpoints(root) if checkpoint_run_id(path) == run_id]
+        for old in own[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         for stray in Path(root).iterdir():  # a step_<N> a killed writer renamed but never marked
             if STEP_PATTERN.fullmatch(stray.name) and stray.name < final.name and not (stray / COMPLETE).exists():

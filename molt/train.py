@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:  # the dry run validates without the files and the job's world size
             validate_config(cfg, world_size=world_size if launched else None)
             check_cpu_offload(cfg, trainer_device_type(cfg))
+            if launched and cfg.checkpoint.interval_steps and not cfg.checkpoint.resume:
+                from molt.checkpoint import check_fresh_start
+
+                check_fresh_start(cfg.checkpoint_dir, overwrite=cfg.checkpoint.overwrite, rank=rank)
     except ConfigError as error:
         logger.error("%s", error)
         return 2

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from molt.actor import Actor, build_actor_model, choose_layout
 from molt.batch import assign_to_ranks, build_windows, count_window_micro_batches
-from molt.checkpoint import load_checkpoint, read_wandb_run_id, resolve_resume, save_checkpoint
+from molt.checkpoint import (checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id, resolve_resume,
+                             save_checkpoint)
 from molt.config import MoltConfig
 from molt.controller import RolloutController, StepRollouts, compute_staleness
 from molt.experience import Experience
@@ -70,6 +71,8 @@ class Trainer:
         self.rollout_ranks = rollout_ranks
         self.timer = StageTimer()
         self.resume_path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir)
+        # Marks the checkpoints rank 0 writes, so rotation leaves other runs' alone; a resumed run keeps its id.
+        self.run_id = checkpoint_run_id(self.resume_path) if self.resume_path else new_run_id()
         if self.is_controller and self.resume_path is None:
             remove_stale_metrics(cfg.output_dir)
         self.metrics = MetricsLogger(wandb_run_id=read_wandb_run_id(self.resume_path),
@@ -180,7 +183,7 @@ class Trainer:
                      "controller": self.controller.state_dict(), "wandb_run_id": self.metrics.run_id,
                      "model_path": self.cfg.model.path}
         save_checkpoint(self.cfg.checkpoint_dir, step, trainables=self.trainables(), group=self.group,
-                        rank=self.rank, state=state, keep_last=self.cfg.checkpoint.keep_last)
+                        rank=self.rank, state=state, keep_last=self.cfg.checkpoint.keep_last, run_id=self.run_id)
 
     # -- start and stop --------------------------------------------------------------------
 

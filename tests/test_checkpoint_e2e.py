@@ -135,3 +135,21 @@ def test_kill_9_and_resume_while_streaming_loses_and_repeats_no_prompt(tmp_path,
     total = NUM_STEPS * PROMPTS_PER_STEP * 4
     assert rows[NUM_STEPS]["rollout/dispatched_total"] == rows[NUM_STEPS]["rollout/consumed_total"] == total
     assert rows[INTERVAL + 1]["rollout/in_flight"] == PROMPTS_PER_STEP * 4  # it streamed after the resume too
+
+
+def test_a_fresh_job_into_an_old_runs_checkpoint_directory_fails_fast_and_keeps_them(tmp_path, tiny_model_dir,
+                                                                                      eight_prompts):
+    """Without checkpoint.resume, a job whose checkpoint.dir holds an earlier run's checkpoints stops
+    before starting anything, names the directory and the ways out, and deletes nothing."""
+    out = tmp_path / "run"
+    old = out / "checkpoints" / f"step_{INTERVAL:08d}"
+    old.mkdir(parents=True)
+    (old / "COMPLETE").write_text(json.dumps({"step": INTERVAL, "run_id": "old"}))  # all the start-up check reads
+    started = time.monotonic()
+    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, out), timeout_seconds=120)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 60  # no engine, model or process group was started
+    assert (f"checkpoint.dir={str(out / 'checkpoints')!r} holds 1 complete checkpoint(s) of an earlier run "
+            f"(steps {INTERVAL})") in done.stderr
+    assert "checkpoint.resume=auto" in done.stderr and "checkpoint.overwrite=true" in done.stderr
+    assert (old / "COMPLETE").is_file()
