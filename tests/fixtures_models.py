@@ -155,6 +155,7 @@ def _train_tool_calls(model_dir: Path, data_path: Path, out_dir: Path, *, steps:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    pad_batch = load_tool("warm_start").pad_batch
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -168,14 +169,7 @@ def _train_tool_calls(model_dir: Path, data_path: Path, out_dir: Path, *, steps:
         for row in rng.sample(rows, batch_size):
             tools = rng.choice(declarations)
             batch.append(tokenize_conversation(tokenizer, build_tool_conversation(row, tools), tools))
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for index, (ids, mask) in enumerate(batch):
-            input_ids[index, :len(ids)] = torch.tensor(ids)
-            labels[index, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-            attention_mask[index, :len(ids)] = 1
+        input_ids, labels, attention_mask = pad_batch(batch, tokenizer.pad_token_id)
         model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -189,6 +183,7 @@ def build_cached_tool_model(*, seed: int = 0) -> Path:
     declaration, then to answer with the tool's result (pydantic-ai: through `final_result`)."""
     base, data = build_cached_tiny_model(seed=seed), build_cached_demo_data(seed=seed)
     builders = (without_strict, build_tool_conversation, tokenize_conversation, train_tool_calls, _train_tool_calls)
+    builders += (load_tool("warm_start").pad_batch,)
     recipe = repr(sorted(TOOL_WARM_START.items())) + repr(FRAMEWORK_TOOLS) + "".join(map(inspect.getsource, builders))
     version = hashlib.sha256(f"{base.name}/{data.name}/{recipe}".encode()).hexdigest()[:10]
     target = cache_root() / "models" / f"tiny-tool-seed{seed}-{version}"

@@ -67,6 +67,20 @@ def build_tool_examples(tokenizer, rows: list[dict], *, tool_share: float, seed:
     return examples
 
 
+def pad_batch(batch: list[tuple[list[int], list[int]]], pad_token_id: int):
+    """(token ids, 0/1 loss mask) pairs -> input_ids, labels (-100 where not trained) and
+    attention_mask, each [batch, longest], right-padded."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id)
+    labels = torch.full((len(batch), width), -100)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(batch):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+        attention_mask[row, :len(ids)] = 1
+    return input_ids, labels, attention_mask
+
+
 def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batch_size: int,
                learning_rate: float, seed: int, task: str = "answer", tool_share: float = 0.5) -> dict:
     torch.manual_seed(seed)
@@ -82,15 +96,7 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     started = time.perf_counter()
     loss_value = float("nan")
     for _ in range(steps):
-        batch = rng.sample(examples, batch_size)
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (ids, mask) in enumerate(batch):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-            attention_mask[row, :len(ids)] = 1
+        input_ids, labels, attention_mask = pad_batch(rng.sample(examples, batch_size), tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         optimizer.step()
