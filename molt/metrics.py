@@ -15,6 +15,7 @@ from pathlib import Path
 logger = logging.getLogger("molt")
 
 WANDB_MODES = ("disabled", "offline", "online")
+WANDB_STEP_METRIC = "trainer/step"  # the x axis of every W&B chart
 
 # Metrics shown on the console progress line: key -> (label, format). Absent keys are skipped.
 PROGRESS_FIELDS = {
@@ -64,6 +65,7 @@ class MetricsLogger:
         self._file = None
         self._prompts_file = None
         self._wandb_run = None
+        self._wandb_step = 0  # W&B's own step: one per log call, never the trainer step
         if not enabled:
             return
         out = Path(output_dir)
@@ -74,6 +76,9 @@ class MetricsLogger:
         self._prompts_file = open(out / "prompts.jsonl", "a", encoding="utf-8")
         if wandb_mode != "disabled":
             self._wandb_run = _start_wandb(out, run_name, wandb_project, wandb_mode, config, wandb_run_id)
+            # W&B's own step counts log calls and must keep rising across jobs of one run: online, W&B
+            # resumes it from the server; offline it restarts at 0, so count this run's earlier lines.
+            self._wandb_step = max(self._wandb_run.step, _count_lines(out / "metrics.jsonl") if wandb_run_id else 0)
 
     @property
     def run_id(self) -> str | None:
@@ -102,7 +107,10 @@ class MetricsLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log(values, step=step)
+            # The trainer step is a logged value, not W&B's own step: a resumed job re-logs the steps
+            # after its checkpoint, and W&B drops any step below the last one it saw (see _start_wandb).
+            self._wandb_run.log({**values, WANDB_STEP_METRIC: step}, step=self._wandb_step)
+            self._wandb_step += 1
         logger.info(self._format_progress(step, values))
 
     def close(self) -> None:
@@ -138,6 +146,13 @@ class MetricsLogger:
         return " | ".join(parts)
 
 
+def _count_lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as lines:
+        return sum(1 for _ in lines)
+
+
 def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, config: dict, run_id: str | None):
     # Imported here: W&B is slow to import and starts a helper process, unneeded when disabled.
     import wandb
@@ -153,6 +168,10 @@ def _start_wandb(output_dir: Path, run_name: str, project: str, mode: str, confi
         resume="allow" if run_id else None,
         settings=wandb.Settings(silent=True),
     )
+    # Every chart's x axis is the trainer step, logged as a value. W&B's own step only counts
+    # log calls, so it keeps rising across a resume that repeats steps, and nothing is dropped.
+    run.define_metric(WANDB_STEP_METRIC)
+    run.define_metric("*", step_metric=WANDB_STEP_METRIC)
     run_dir = Path(run.dir).parent  # run.dir is its files/ subfolder
     logger.info("W&B %s run in %s (started in %.1fs)", mode, run_dir, time.perf_counter() - started)
     if mode == "offline":

@@ -125,6 +125,13 @@ def read_wandb_records(path: Path) -> list:
     return records
 
 
+def history_rows(records: list) -> list[dict]:
+    """Each history record as {key: value}, with W&B's own step under "_step"."""
+    return [{"_step": record.history.step.num}
+            | {"/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]
+
+
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
     """Belt and braces: offline everywhere, and W&B's own cache/config kept inside the test dir."""
@@ -146,11 +153,7 @@ def test_wandb_offline_run_lands_under_output_dir(tmp_path, wandb_offline):
     assert (run.project, run.display_name) == ("molt-test", "test-run")
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["lr"] == 1e-6 and config["model"] == {"name": "tiny"}
-    history = {
-        record.history.step.num: {"/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-        for record in records
-        if record.WhichOneof("record_type") == "history"
-    }
+    history = {row["trainer/step"]: row for row in history_rows(records)}
     assert history[1]["reward/mean"] == 0.25
     assert history[2]["reward/mean"] == 0.5
     assert math.isnan(history[2]["loss"])  # W&B keeps the NaN; only the JSONL needs null
@@ -162,19 +165,27 @@ def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline):
     output_dir = tmp_path / "run"
     first = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test")
     run_id = first.run_id
-    first.log(1, {"reward/mean": 0.25})
+    for step in (1, 2, 3):  # the job checkpoints at step 1, logs 2 and 3, then dies
+        first.log(step, {"reward/mean": step / 10})
     first.close()
     time.sleep(1.1)  # an offline run's directory is named by the second it started in
     resumed = make_logger(output_dir, wandb_mode="offline", wandb_project="molt-test", wandb_run_id=run_id)
     assert resumed.run_id == run_id
-    resumed.log(2, {"reward/mean": 0.5})
+    for step in (2, 3, 4):  # resumed from step 1: steps 2 and 3 come again
+        resumed.log(step, {"reward/mean": step / 10 + 1})
     resumed.close()
     files = sorted(output_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 2  # one per job, both of the one run (wandb sync uploads them into it)
-    steps = [record.history.step.num for path in files for record in read_wandb_records(path)
-             if record.WhichOneof("record_type") == "history"]
-    assert steps == [1, 2]
-    assert [row["step"] for row in read_jsonl(output_dir / "metrics.jsonl")] == [1, 2]
+    rows = [row for path in files for row in history_rows(read_wandb_records(path))]
+    # W&B drops a step below the last one it saw: its own step keeps rising across the resume,
+    # and the trainer step, the charts' x axis, is a value that may repeat.
+    assert [row["_step"] for row in rows] == [0, 1, 2, 3, 4, 5]
+    assert [row["trainer/step"] for row in rows] == [1, 2, 3, 2, 3, 4]
+    assert rows[-1]["reward/mean"] == pytest.approx(1.4)
+    metric_records = [record.metric for path in files for record in read_wandb_records(path)
+                      if record.WhichOneof("record_type") == "metric"]
+    assert any(metric.glob_name == "*" and metric.step_metric == "trainer/step" for metric in metric_records)
+    assert [row["step"] for row in read_jsonl(output_dir / "metrics.jsonl")] == [1, 2, 3, 2, 3, 4]
 
 
 def test_process_resource_sampler_reads_proc_at_most_once_per_interval():
