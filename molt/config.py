@@ -331,6 +331,11 @@ class MoltConfig(ConfigSection):
     device: str = "auto"
     """auto | cpu | cuda: where trainers compute and which collective backend they use."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    inline_bytes: int = 32768
+    """Experiences whose token-axis payload is at most this many bytes (13 a token, 17 with per-token
+    temperatures) travel whole in their light record, past the store: below ~32 KiB that costs less
+    than half a store round trip, while the controller decodes and forwards their tokens (a record
+    of at most ~1.75x this as msgpack). 0 = every experience goes through the store."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -701,6 +706,7 @@ def parse_activation_checkpointing(spec: str) -> int:
 
 def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> None:
     """The train section's precision, memory and optimizer options."""
+    check(cfg.payloads.inline_bytes >= 0, f"payloads.inline_bytes={cfg.payloads.inline_bytes}: must be >= 0 (0 sends every payload through the store)")
     check(train.param_dtype in DTYPES, f"train.param_dtype={train.param_dtype!r}: use one of {', '.join(DTYPES)}")
     check(train.compute_dtype in ("",) + DTYPES,
           f"train.compute_dtype={train.compute_dtype!r}: use '' (model.dtype) or one of {', '.join(DTYPES)}")

@@ -24,7 +24,12 @@ import torch
 import zmq
 
 from molt.experience import Experience
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore, offload_experience, restore_experience
+from molt.payloads import (
+    PayloadClient, PayloadRef, PayloadStore, offload_experience, offload_record, reload_record, restore_experience,
+)
+from molt.payloads.fields import payload_nbytes
+from molt.payloads.reference import ALIGNMENT
+from molt.payloads.store import INLINE_BYTES
 from molt.payloads.server import pack_header
 from payload_node import make_tensors
 
@@ -166,8 +171,7 @@ def test_experience_offload_restore_round_trip(store, node_id):
 def test_sampling_temperatures_travel_in_the_payload_and_none_stays_none(store, node_id):
     """Per-token temperatures move into the payload with the other token-axis fields (float32, as
     the engine samples with them) and come back; None sends no tensor and comes back None."""
-    from molt.payloads import offload_record, reload_record
-
+    store.inline_bytes = 0  # these experiences are short: they would travel inline, tested below
     temperatures = [1.0, 1.0, 0.75, 0.75, 1.5]  # float32-exact: the round trip is exact
     with_temperatures = Experience(
         token_ids=[5, 9, 2, 7, 1], action_mask=[0, 0, 1, 1, 1], behavior_logprobs=[0.0, 0.0, -0.5, -1.25, -3.0],
@@ -194,6 +198,93 @@ def test_sampling_temperatures_travel_in_the_payload_and_none_stays_none(store, 
             offload_experience(store, with_temperatures, {"temperatures": torch.ones(5)})
     finally:
         client.close()
+
+
+def experience_of(num_tokens: int, *, temperatures: bool = False, seed: int = 0) -> Experience:
+    """An experience whose lists take the most msgpack bytes a token can: token ids and versions
+    past 2**16, float64 log-probs and temperatures that float32 cannot hold."""
+    generator = torch.Generator().manual_seed(seed)
+    action = (torch.arange(num_tokens) % 3 != 0).int()
+    logprobs = -torch.rand(num_tokens, dtype=torch.float64, generator=generator) * action
+    return Experience(
+        token_ids=torch.randint(1 << 16, 1 << 30, (num_tokens,), generator=generator).tolist(),
+        action_mask=action.tolist(), behavior_logprobs=logprobs.tolist(),
+        policy_versions=[(1 << 16) + 7 if a else -1 for a in action.tolist()],
+        temperatures=(0.3 + torch.rand(num_tokens, dtype=torch.float64, generator=generator)).tolist()
+        if temperatures else None, reward=0.5, score=0.5, group_id=seed, rollout_id=seed)
+
+
+def largest_inline_tokens(inline_bytes: int, num_float32_or_int32_fields: int) -> int:
+    """The most tokens whose payload fits `inline_bytes`: a uint8 mask and 3 (4 with temperatures)
+    fields of 4 bytes a token, each padded to ALIGNMENT."""
+    def aligned(size: int) -> int:
+        return -(-size // ALIGNMENT) * ALIGNMENT
+    return max(n for n in range(inline_bytes + 1)
+               if aligned(n) + num_float32_or_int32_fields * aligned(4 * n) <= inline_bytes)
+
+
+def through_msgpack(record: Experience) -> Experience:
+    return Experience.from_dict(msgpack.unpackb(msgpack.packb(record.to_dict()), raw=False))
+
+
+def float32_rounded(values: list[float]) -> list[float]:
+    return torch.tensor(values, dtype=torch.float32).tolist()
+
+
+@pytest.mark.parametrize("temperatures", [False, True])
+def test_short_experiences_travel_inline_and_longer_ones_through_shared_memory(
+        store, node_id, spill_dir, temperatures):
+    """At the inline threshold an experience is its own record: its lists cross msgpack exactly
+    and the store holds nothing; one token more and it goes through shared memory as before, its
+    floats rounded to float32. The store counts both, and frees the stored one once consumed."""
+    assert store.inline_bytes == INLINE_BYTES  # the default, as a rollout rank runs it
+    num_tokens = largest_inline_tokens(INLINE_BYTES, 4 if temperatures else 3)
+    inline, stored = (experience_of(n, temperatures=temperatures, seed=n) for n in (num_tokens, num_tokens + 1))
+    consumer = PayloadClient(node_id, spill_dir=str(spill_dir))  # same node, not the owner: a trainer rank
+    try:
+        record = offload_record(store, inline)
+        assert record.payload is None and record.summary is None
+        assert payload_nbytes(inline) <= INLINE_BYTES < payload_nbytes(stored)
+        metrics = store.metrics()
+        assert (metrics["payloads/inlined"], metrics["payloads/inlined_bytes"]) == (1, payload_nbytes(inline))
+        assert metrics["payloads/offloaded"] == metrics["payloads/live"] == metrics["payloads/segments"] == 0
+        assert shm_entries(node_id) == [f"{store.prefix}owner"]
+        shipped = through_msgpack(record)
+        # The record frame stays modest for the controller's socket: the lists take ~1.7x the payload.
+        assert len(msgpack.packb(record.to_dict())) <= 1.75 * INLINE_BYTES
+        assert reload_record(consumer, shipped) == inline  # exact: float64 log-probs and all
+        assert type(shipped.token_ids[0]) is int and type(shipped.behavior_logprobs[1]) is float
+
+        record = offload_record(store, stored)
+        ref = PayloadRef.from_dict(record.payload)
+        assert ref.location == "shm" and record.token_ids == [] and record.summary["num_tokens"] == num_tokens + 1
+        assert payload_nbytes(stored) == sum(-(-e.nbytes // ALIGNMENT) * ALIGNMENT for e in ref.entries)
+        assert store.metrics()["payloads/offloaded"] == store.metrics()["payloads/live"] == 1
+        tensors = consumer.reload(wire(ref), consume=False)  # the payload itself: dtypes and shapes
+        dtypes = {"token_ids": torch.int32, "action_mask": torch.uint8, "behavior_logprobs": torch.float32,
+                  "policy_versions": torch.int32, **({"temperatures": torch.float32} if temperatures else {})}
+        assert {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()} == {
+            name: (dtype, (num_tokens + 1,)) for name, dtype in dtypes.items()}
+        expected = dataclasses.replace(stored, behavior_logprobs=float32_rounded(stored.behavior_logprobs),
+                                       temperatures=float32_rounded(stored.temperatures) if temperatures else None)
+        assert reload_record(consumer, through_msgpack(record)) == expected
+        wait_for(lambda: store.metrics()["payloads/live"] == 0)  # consumed, so freed
+        metrics = store.metrics()
+        assert (metrics["payloads/inlined"], metrics["payloads/offloaded"], metrics["payloads/freed"]) == (1, 1, 1)
+        assert metrics["payloads/occupancy_bytes"] == 0 and metrics["payloads/pooled_segments"] == 1
+    finally:
+        consumer.close()
+
+
+def test_inline_threshold_zero_stores_every_payload_and_negative_is_refused(node_id, spill_dir):
+    with PayloadStore(node_id, spill_dir=str(spill_dir), inline_bytes=0, serve=False) as store:
+        record = offload_record(store, experience_of(1))
+        assert record.payload is not None and store.metrics()["payloads/inlined"] == 0
+        client = PayloadClient(node_id, store=store)
+        assert reload_record(client, record).token_ids == experience_of(1).token_ids
+        client.close()
+    with pytest.raises(ValueError, match="inline_bytes must be >= 0"):
+        PayloadStore(node_id, spill_dir=str(spill_dir), inline_bytes=-1)
 
 
 def test_spill_past_the_budget_reloads_from_file_on_both_paths(node_id, spill_dir, monkeypatch):

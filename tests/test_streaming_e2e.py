@@ -88,6 +88,8 @@ def test_streaming_without_partial_rollout_never_mixes_versions_in_an_experience
     assert max(r["rollout/segments_per_rollout"] for r in rows) > 1
 
 
+    # Short experiences (payloads.inline_bytes) travel whole in their records, none through the store.
+    assert rows[-1]["payloads/inlined"] > 0 and rows[-1]["payloads/offloaded"] == 0, rows[-1]
 def test_300_streaming_steps_move_every_payload_through_the_store_and_leak_nothing(
         tmp_path, tiny_model_dir, demo_data_dir):
     """Trainer ranks fetch their experiences from the rollout rank's payload store; a small budget
@@ -100,7 +102,8 @@ def test_300_streaming_steps_move_every_payload_through_the_store_and_leak_nothi
         "train.num_steps": num_steps, "rollout.prompts_per_step": 2, "rollout.n_samples_per_prompt": 2,
         "rollout.max_response_tokens": 4, "refit.check_every_steps": 0, "algorithm.max_staleness": 1,
         "rollout.partial_rollout": True, "algorithm.importance_level": "token", "algorithm.importance_mode": "trunc",
-        "payloads.budget_megabytes": budget / 2**20, "payloads.spill_dir": spill, "payloads.node_id": node}),
+        "payloads.budget_megabytes": budget / 2**20, "payloads.spill_dir": spill, "payloads.node_id": node,
+        "payloads.inline_bytes": 0}),  # these experiences are short: without this they would travel inline
         timeout_seconds=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [r for r in _rows(out) if r["step"] >= 1]

@@ -1,6 +1,7 @@
 """Which parts of an experience travel as a payload (DESIGN sections 5, 7): the token-axis fields,
 as tensors, and optional extras (multimodal tensors, raw images as uint8 [height, width, channels],
-routed experts as [tokens, layers, top_k]). The light record keeps the rest and the reference."""
+routed experts as [tokens, layers, top_k]). The light record keeps the rest and the reference, or,
+for a short experience, everything: its payload travels inline (`offload_record`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from molt.experience import Experience, summarize_tokens
-from molt.payloads.reference import PayloadRef
+from molt.payloads.reference import ALIGNMENT, PayloadRef
 from molt.payloads.store import PayloadStore
 
 if TYPE_CHECKING:
@@ -32,6 +33,14 @@ def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
         if getattr(experience, name) is not None:
             tensors[name] = torch.tensor(getattr(experience, name), dtype=dtype)
     return tensors
+
+
+def payload_nbytes(experience: Experience) -> int:
+    """The bytes the experience's token-axis fields would take in a payload, each aligned, without
+    building it (every such field has the experience's length)."""
+    fields = TOKEN_FIELDS if experience.temperatures is None else {**TOKEN_FIELDS, **OPTIONAL_TOKEN_FIELDS}
+    num_tokens = len(experience.token_ids)
+    return sum(-(-num_tokens * dtype.itemsize // ALIGNMENT) * ALIGNMENT for dtype in fields.values())
 
 
 def offload_experience(store: PayloadStore, experience: Experience,
@@ -62,14 +71,21 @@ def restore_experience(light: Experience,
 
 def offload_record(store: PayloadStore, experience: Experience) -> Experience:
     """The light record that travels instead of `experience`: its token-axis fields in `store`,
-    `payload` the reference to them, `summary` what the controller reads of them."""
+    `payload` the reference to them, `summary` what the controller reads of them. A short
+    experience, whose payload the store admits inline (`PayloadStore.admit_inline`), is its own
+    record: its lists travel as msgpack, `payload` stays None, and reloading it is a no-op."""
+    if store.admit_inline(payload_nbytes(experience)):
+        return experience
     light, ref = offload_experience(store, experience)
     light.payload, light.summary = ref.to_dict(), summarize_tokens(experience)
     return light
 
 
 def reload_record(client: PayloadClient, light: Experience, *, consume: bool = True) -> Experience:
-    """The full experience of a light record (`consume`: frees its payload at the owner once it is here)."""
+    """The full experience of a light record (`consume`: frees its payload at the owner once it is
+    here); a record whose payload travelled inline is already whole."""
+    if light.payload is None:
+        return light
     full, _ = restore_experience(light, client.reload(PayloadRef.from_dict(light.payload), consume=consume))
     full.payload = full.summary = None
     return full

@@ -4,7 +4,10 @@ Storage is a pool of reusable shared-memory segments (files in `shm_dir`, normal
 a byte budget; a payload that does not fit spills to a safetensors file in `spill_dir`. A freed
 segment goes back to the pool for the next payload of its size class (powers of two, so experiences
 of similar length share segments and their pages stay warm); when a new segment would pass the
-budget, pooled segments are unlinked first, and only then does a payload spill. File formats,
+budget, pooled segments are unlinked first, and only then does a payload spill. A payload of at
+most `inline_bytes` need not come here at all: its record carries it (`admit_inline`, used by
+`molt.payloads.fields.offload_record`), as object stores inline small objects, since any trip
+through the store costs a short experience several times what msgpack costs it. File formats,
 names and the orphan registry: `molt.payloads.files`.
 """
 
@@ -32,6 +35,10 @@ from molt.payloads.server import PayloadServer
 logger = logging.getLogger("molt")
 
 MIN_SEGMENT_BYTES = 4 << 10  # one page: a short experience takes no more
+# Payloads up to this size travel inline (see admit_inline): below it a trip through the store costs
+# 2.4-10x what msgpack costs the whole record, just past it about 2x (tools/bench/payloads.py,
+# docs/benchmarks.md). About 2500 tokens of an experience; at most 56 KiB as msgpack lists.
+INLINE_BYTES = 32 << 10
 
 
 @dataclass
@@ -63,14 +70,19 @@ class PayloadStore:
     (`molt.payloads.server`) answers other processes' fetches and frees at `address`; bind `host`
     to an interface the consuming nodes can reach. The store removes everything it made on
     `close()` and at interpreter exit; after a SIGKILL, the next store of the node does.
+    `inline_bytes`: the largest payload that `admit_inline` lets travel in its record (0: none).
     """
 
     def __init__(self, node_id: str, *, budget_bytes: int = 1 << 30, spill_dir: str | None = None,
-                 shm_dir: str = "/dev/shm", host: str = "127.0.0.1", serve: bool = True):
+                 shm_dir: str = "/dev/shm", host: str = "127.0.0.1", serve: bool = True,
+                 inline_bytes: int = INLINE_BYTES):
         self.node_id = check_node_id(node_id)
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0 (0 spills everything), got {budget_bytes}")
+        if inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be >= 0 (0 stores every payload), got {inline_bytes}")
         self.budget_bytes = budget_bytes
+        self.inline_bytes = inline_bytes
         self.shm_dir = shm_dir
         self.spill_dir = ensure_private_dir(spill_dir or default_spill_dir())
         self.prefix = f"molt-{node_id}-{os.getpid()}-{secrets.token_hex(4)}-"
@@ -82,7 +94,7 @@ class PayloadStore:
         self.live_count = {"shm": 0, "file": 0}  # live payloads by location, kept as they come and go
         self.live_bytes = {"shm": 0, "file": 0}
         self.counters = {"offloaded": 0, "freed": 0, "fetched": 0, "spilled": 0, "spilled_bytes": 0,
-                         "segments_created": 0, "segments_evicted": 0}
+                         "inlined": 0, "inlined_bytes": 0, "segments_created": 0, "segments_evicted": 0}
         self.closed = False
         remove_orphans(node_id, shm_dir, self.spill_dir)
         self.owner_path = register_owner(shm_dir, self.prefix, self.spill_dir)
@@ -120,6 +132,17 @@ class PayloadStore:
                 self.counters["spilled"] += 1
                 self.counters["spilled_bytes"] += nbytes
         return ref
+
+    def admit_inline(self, nbytes: int) -> bool:
+        """Whether a payload of `nbytes` is small enough (at most `inline_bytes`) to travel inline in
+        its record rather than be offloaded here; if so, it is counted as inlined (nothing is stored,
+        so nothing is freed later)."""
+        if nbytes > self.inline_bytes:
+            return False
+        with self.lock:
+            self.counters["inlined"] += 1
+            self.counters["inlined_bytes"] += nbytes
+        return True
 
     def free(self, key: str) -> bool:
         """Drops a payload (its segment goes back to the pool); False if the key is unknown."""

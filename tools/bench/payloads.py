@@ -17,14 +17,17 @@ One run prints one JSON line per figure, then the command that produced them:
   fresh anonymous pages (reported, no target);
 - payloads_remote_bytes_per_second: remote reloads (fetch + free), against one raw ZeroMQ request
   and a reply of the same bytes, sent and received without copies (target ratio >= 0.8);
-- payloads_small_round_trip_seconds: what a training step of short experiences costs per
-  experience (the CPU demo's case): --small-count experiences of --small-tokens tokens offloaded
-  as light records while all stay live, then reloaded on the same node by another client, against
-  msgpack-encoding and decoding the same experiences whole (the path payloads replaced; reported,
-  no target).
+- payloads_small_round_trip_seconds, once per --small-tokens value: what a training step of short
+  experiences costs per experience (the CPU demo's case): --small-count experiences of that many
+  tokens turned into light records by offload_record while all stay live, each record sent
+  through msgpack as the controller gets it, then reloaded on the same node by another client;
+  against msgpack-encoding and decoding the same experiences whole, all held as well (the path
+  payloads replaced; target ratio >= 0.5 at 64 tokens). `value` is with the store's inline
+  threshold (--inline-bytes): experiences whose payload fits it travel whole in the record, the
+  rest through shared memory; `stored_*` is every experience through the store (inline_bytes=0).
 
     python tools/bench/payloads.py [--megabytes 8] [--tokens 32768] [--repeats 20] [--warmup 3]
-                                   [--small-count 512] [--small-tokens 64]
+                                   [--small-count 512] [--small-tokens 64 [1024 ...]] [--inline-bytes 32768]
 """
 
 import argparse
@@ -48,7 +51,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
 from molt.payloads import (  # noqa: E402
     PayloadClient, PayloadRef, PayloadStore, experience_tensors, offload_record, reload_record)
+from molt.payloads.fields import payload_nbytes  # noqa: E402
 from molt.payloads.files import byte_view  # noqa: E402
+from molt.payloads.store import INLINE_BYTES  # noqa: E402
 from molt.experience import Experience  # noqa: E402
 
 OWNER_NODE = "bench-owner"
@@ -184,33 +189,47 @@ def measure(owner: Owner, client: PayloadClient, baseline, repeats: int, warmup:
     return statistics.median(reloads[warmup:]), statistics.median(baselines[warmup:])
 
 
-def small_round_trips(count: int, tokens: int, repeats: int) -> tuple[float, float]:
-    """Median seconds per experience of a step's offloads and reloads, and of the msgpack baseline."""
+def build_small_experiences(count: int, tokens: int) -> list[Experience]:
     generator = torch.Generator().manual_seed(1)
-    experiences = [Experience(
+    return [Experience(
         token_ids=torch.randint(0, 150_000, (tokens,), generator=generator).tolist(),
         action_mask=[0] * (tokens // 2) + [1] * (tokens - tokens // 2),
         behavior_logprobs=(-torch.rand(tokens, generator=generator)).tolist(),
         policy_versions=[-1] * (tokens // 2) + [3] * (tokens - tokens // 2), reward=1.0, score=1.0,
         group_id=index, rollout_id=index) for index in range(count)]
-    store = PayloadStore("bench-small", budget_bytes=1 << 30)
+
+
+def through_msgpack(experience: Experience) -> Experience:
+    return Experience.from_dict(msgpack.unpackb(msgpack.packb(experience.to_dict()), raw=False))
+
+
+def small_round_trips(experiences: list[Experience], repeats: int, inline_bytes: int) -> dict[str, float]:
+    """Median seconds per experience of a step's offloads, records through msgpack and reloads,
+    with `inline_bytes` ("value") and with every payload stored ("stored"), and of the msgpack
+    baseline, timed in turn; and the bytes of one record with `inline_bytes` as msgpack."""
+    store = PayloadStore("bench-small", budget_bytes=1 << 30, inline_bytes=inline_bytes)
     consumer = PayloadClient("bench-small")  # same node, not the owner: marks consumed, as a trainer rank
-    rounds, baselines = [], []
+    timings = {"value": [], "stored": [], "baseline": []}
     try:
+        first = offload_record(store, experiences[0])
+        record_bytes = len(msgpack.packb(first.to_dict()))
+        reload_record(consumer, first)
         for _ in range(repeats):
+            for name, threshold in (("value", inline_bytes), ("stored", 0)):
+                store.inline_bytes = threshold
+                start = time.perf_counter()
+                records = [through_msgpack(offload_record(store, experience)) for experience in experiences]
+                for record in records:
+                    reload_record(consumer, record)
+                timings[name].append((time.perf_counter() - start) / len(experiences))
             start = time.perf_counter()
-            lights = [offload_record(store, experience) for experience in experiences]
-            for light in lights:
-                reload_record(consumer, light)
-            rounds.append((time.perf_counter() - start) / count)
-            start = time.perf_counter()
-            for experience in experiences:
-                Experience(**msgpack.unpackb(msgpack.packb(experience.to_dict())))
-            baselines.append((time.perf_counter() - start) / count)
+            records = [through_msgpack(experience) for experience in experiences]  # held, as the step's are
+            timings["baseline"].append((time.perf_counter() - start) / len(experiences))
+            del records
     finally:
         consumer.close()
         store.close()
-    return statistics.median(rounds), statistics.median(baselines)
+    return {**{name: statistics.median(values) for name, values in timings.items()}, "record_bytes": record_bytes}
 
 
 def emit(record: dict) -> None:
@@ -232,7 +251,6 @@ def run(args) -> None:
         remote.close()
         baselines.close()
         owner.close()
-    small_seconds, msgpack_seconds = small_round_trips(args.small_count, args.small_tokens, args.repeats)
     num_bytes = owner.bytes
     common = {"payload_bytes": num_bytes, "tokens": args.tokens, "repeats": args.repeats}
     emit({"figure": "payloads_same_node_bytes_per_second", **common, "value": round(num_bytes / warm),
@@ -249,10 +267,19 @@ def run(args) -> None:
           "ratio": round(raw_seconds / remote_seconds, 3), "target_ratio": 0.8,
           "seconds_median": round(remote_seconds, 6),
           "path": "fetch over loopback TCP (header + one raw frame per tensor, zero-copy), then free"})
-    emit({"figure": "payloads_small_round_trip_seconds", "experiences": args.small_count,
-          "tokens": args.small_tokens, "repeats": args.repeats, "value": round(small_seconds, 7),
-          "baseline_msgpack_seconds": round(msgpack_seconds, 7), "ratio": round(msgpack_seconds / small_seconds, 3),
-          "path": "offload_record of a step's experiences, all live, then reload_record of each by a same-node client"})
+    for tokens in args.small_tokens:
+        experiences = build_small_experiences(args.small_count, tokens)
+        small = small_round_trips(experiences, args.repeats, args.inline_bytes)
+        nbytes = payload_nbytes(experiences[0])
+        emit({"figure": "payloads_small_round_trip_seconds", "experiences": args.small_count, "tokens": tokens,
+              "repeats": args.repeats, "payload_bytes": nbytes, "inline_bytes": args.inline_bytes,
+              "inline": nbytes <= args.inline_bytes, "record_bytes": small["record_bytes"],
+              "value": round(small["value"], 7), "baseline_msgpack_seconds": round(small["baseline"], 7),
+              "ratio": round(small["baseline"] / small["value"], 3), "target_ratio": 0.5 if tokens == 64 else None,
+              "stored_seconds": round(small["stored"], 7),
+              "stored_ratio": round(small["baseline"] / small["stored"], 3),
+              "path": "offload_record of a step's experiences, all live, each record through msgpack, then "
+                      "reload_record by a same-node client"})
 
 
 def main() -> None:
@@ -262,7 +289,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed transfers per figure")
     parser.add_argument("--warmup", type=int, default=3, help="untimed transfers before the warm figures")
     parser.add_argument("--small-count", type=int, default=512, help="experiences in the small-payload figure")
-    parser.add_argument("--small-tokens", type=int, default=64, help="tokens of each small experience")
+    parser.add_argument("--small-tokens", type=int, nargs="+", default=[64],
+                        help="tokens of each small experience (one figure per value)")
+    parser.add_argument("--inline-bytes", type=int, default=INLINE_BYTES,
+                        help="the store's inline threshold for the small figures (payloads.inline_bytes)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the owner child
     args = parser.parse_args()
     if args.serve:
