@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Set up (idempotently) and run the whole test suite (--unit: the fast tier). Extra arguments go to pytest.
+# Set up (idempotently) and run the whole test suite (--fast: the unit tier). Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/setup_env.sh"
 cd "$ROOT"
 set +e
-# --unit: the fast tier, without the tests that start vLLM engines or torchrun jobs (marked e2e).
+# --fast (or --unit): the unit tier, without the tests that start vLLM engines or torchrun jobs
+# (marked e2e; soak tests are e2e too). Markers and time limits: pytest.ini.
 MARKERS="not gpu"
-if [ "${1:-}" = "--unit" ]; then
+if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--unit" ]; then
   MARKERS="not gpu and not e2e"
   shift
 fi

@@ -1,4 +1,8 @@
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -9,9 +13,92 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (deselected on CPU by launch/test.sh)")
-    config.addinivalue_line("markers", "e2e: starts vLLM engines or torchrun jobs (launch/test.sh --unit leaves them out)")
+# Markers and the default time limit are in pytest.ini.
+
+# Fixtures that start a vLLM engine: a test that uses one belongs to the e2e tier.
+ENGINE_FIXTURES = {"engine", "endpoint"}
+# How long a test that outlived its time limit gets to unwind (its finally blocks and fixtures stop
+# what it started) before the run is stopped hard, its processes killed.
+TIMEOUT_GRACE_SECONDS = 60
+HARD_STOP_KEY = pytest.StashKey[threading.Timer]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the shared engine is e2e whatever its file says, so the fast tier never
+    starts an engine; tests that start engines or torchrun jobs themselves mark their files e2e."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
+def _descendants(pid: int, started_after_ticks: int = 0) -> list[int]:
+    """Every process under `pid` (started after `started_after_ticks`, in clock ticks since boot),
+    from /proc: torchrun's ranks run in sessions of their own, so process groups do not find them."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append((int(entry), int(fields[19])))
+    found, stack = [], [pid]
+    while stack:
+        for child, started_ticks in children.get(stack.pop(), []):
+            if started_ticks >= started_after_ticks:
+                found.append(child)
+            stack.append(child)
+    return found
+
+
+def _now_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test stopped by its time limit leaves no job behind: the processes it started (torchrun
+    jobs, engines, workers; not the session's fixtures, started before it) are killed."""
+    started_ticks = _now_ticks()
+    try:
+        return (yield)
+    except BaseException as error:
+        if "from pytest-timeout" in str(error):
+            _kill(_descendants(os.getpid(), started_after_ticks=started_ticks))
+        raise
+
+
+def pytest_timeout_set_timer(item, settings):
+    """Back the signal method with a hard stop: a test the signal cannot interrupt (blocked in C
+    code) is reported with every thread's stack, and its processes are killed before pytest exits."""
+    import pytest_timeout
+
+    def stop():
+        item.config.get_terminal_writer().line(f"\n{item.nodeid} still running {TIMEOUT_GRACE_SECONDS} s past its "
+                                               f"{settings.timeout} s time limit: killing its processes, stopping")
+        _kill(_descendants(os.getpid()))
+        pytest_timeout.timeout_timer(item, settings)  # dumps the stacks and exits
+
+    timer = threading.Timer(settings.timeout + TIMEOUT_GRACE_SECONDS, stop)
+    timer.name, timer.daemon = f"hard stop of {item.nodeid}", True
+    timer.start()
+    item.stash[HARD_STOP_KEY] = timer
+    # None: pytest-timeout's own hook still sets the signal timer.
+
+
+def pytest_timeout_cancel_timer(item):
+    timer = item.stash.get(HARD_STOP_KEY, None)
+    if timer is not None:
+        timer.cancel()
 
 
 @pytest.fixture(scope="session")

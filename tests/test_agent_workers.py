@@ -98,7 +98,8 @@ def test_env_rollouts_run_in_worker_processes_that_never_import_vllm(engine, end
         assert experience["token_ids"][:len(prompt)] == prompt
         assert experience["action_mask"] == [0] * len(prompt) + [1] * (len(experience["token_ids"]) - len(prompt))
         assert all(lp < 0 for lp, a in zip(experience["behavior_logprobs"], experience["action_mask"]) if a)
-        assert 0 <= outcome["loop_lag_max_seconds"] < 1.0
+        # Nothing here blocks; the bound is generous for a loaded machine, where a worker can wait to run.
+        assert 0 <= outcome["loop_lag_max_seconds"] < 5.0
     served = _served(faults_dir)
     pids = {pid for pid, *_ in served}
     assert len(served) == 8 and len(pids) == 2 and os.getpid() not in pids  # both workers took rollouts
@@ -184,7 +185,7 @@ def test_a_blocking_agent_is_reported_and_its_loop_lag_measured(engine, endpoint
     finally:
         engine.run(pool.close())
     assert blocked["failure"] == "" and blocked["loop_lag_max_seconds"] >= 1.4, blocked
-    assert quiet["loop_lag_max_seconds"] < 1.0  # measured since the previous outcome
+    assert quiet["loop_lag_max_seconds"] < 1.4  # measured since the previous outcome, not carried over from it
     stderr = capfd.readouterr().err  # the worker logs to the stderr it inherited
     assert f"agent worker 0 of rollout rank 1 (pid {worker_pid}): event loop blocked for 1." in stderr, stderr
     assert "user agent code is blocking the event loop" in stderr
@@ -202,7 +203,9 @@ def test_a_worker_stuck_past_the_rollout_timeout_is_killed_and_replaced(engine, 
     finally:
         engine.run(pool.close())
     assert stuck["failure"] == "agent_worker_died" and "blocks its event loop" in stuck["error"], stuck
-    assert 6.0 <= stuck_seconds < 20  # killed once it held the rollout past the timeout + the grace
+    # Killed once it held the rollout past the timeout + the grace (6 s), long before its 60 s block
+    # ends; the upper bound is generous for a loaded machine.
+    assert 6.0 <= stuck_seconds < 45
     assert after["failure"] == "", after["error"]
     assert pool.workers[0].incarnation == 1
 
@@ -240,7 +243,7 @@ def test_workers_do_not_outlive_a_rank_killed_with_sigkill(tmp_path):
         rank.send_signal(signal.SIGKILL)
         rank.wait(30)
         shutil.rmtree(socket_dir, ignore_errors=True)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # they go within a second; generous for a loaded machine
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), "agent workers outlived their rank"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# starts vLLM engines (not in the unit tier); the bench's limit is 300 s
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench" / "refit.py"

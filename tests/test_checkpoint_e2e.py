@@ -14,7 +14,8 @@ from test_train_e2e import DEMO, ROOT, _job_sets, _kill_tree, _torchrun
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")  # rewards vary: losses are not 0
 # 8 prompts, 4 a step: the checkpoint after step 2 ends epoch 0 exactly (RELIABILITY 13), and the
@@ -84,6 +85,7 @@ def _check_each_epoch_trains_every_prompt_once(prompts: dict[int, dict]) -> None
         assert sorted(epoch) == list(range(NUM_PROMPTS)), prompts  # none lost, none twice
 
 
+@pytest.mark.timeout(1500)  # three torchrun jobs: 420 + 300 + 420 s limits
 def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_path, tiny_model_dir, eight_prompts):
     """Synchronous: N steps straight, and N/2 + SIGKILL of the whole job + resume + N/2, train on the
     same prompts in the same steps with the same losses, across the epoch boundary the checkpoint
@@ -118,6 +120,7 @@ def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_p
     assert killed_rows[INTERVAL + 1]["refit/max_abs_logprob_diff"] <= 1e-4
 
 
+@pytest.mark.timeout(1200)  # two torchrun jobs: 300 + 420 s limits
 def test_kill_9_and_resume_while_streaming_loses_and_repeats_no_prompt(tmp_path, tiny_model_dir, eight_prompts):
     """Streaming (the next step's rollouts in flight at the checkpoint): the resumed run
     re-dispatches their prompts; every prompt of each epoch is trained once."""

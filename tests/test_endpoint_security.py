@@ -395,14 +395,17 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, endpoint
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 sock.close()
                 closed_at = time.monotonic()
-                while llm.get_num_unfinished_requests() and time.monotonic() - closed_at < 5:
+                # The engine is paused, so only an abort can end the request: wait for that event
+                # (30 s: generous for a loaded machine; it takes milliseconds), not a fixed window.
+                while llm.get_num_unfinished_requests() and time.monotonic() - closed_at < 30:
                     time.sleep(0.005)
                 drained_seconds = time.monotonic() - closed_at
+                drained = not llm.get_num_unfinished_requests()
             finally:
                 engine.run(llm.resume_generation())
-            assert drained_seconds < 1.0, f"the engine request outlived its client by {drained_seconds:.2f} s"
+            assert drained, f"the engine request outlived its client by {drained_seconds:.2f} s"
             assert len(aborts) == 1 and aborts[0][1] == 1, aborts
-            assert aborts[0][0] - closed_at < 1.0
+            assert aborts[0][0] >= closed_at  # aborted because the client went away
             break
     finally:
         del llm.abort
@@ -485,12 +488,14 @@ def _assert_session_ended(endpoint, ctx) -> None:
 def test_a_hung_agent_is_ended_at_the_timeout_and_others_run_meanwhile(engine, endpoint):
     HangsForever.contexts.clear()
     hung, normal = _runner(endpoint, HangsForever), _runner(endpoint, AsksOnce)
-    timeout_seconds = 2.0
     # Alone first: the baseline, and the engine's first-request warm-up out of the way.
     started = time.monotonic()
     alone = engine.run(run_with_timeout(normal, _rollout(0), engine.engine, engine.engine.tokenizer, 60.0))
     alone_seconds = time.monotonic() - started
     assert alone.failure == "", alone.error
+    # The hung agent's timeout leaves the normal one several times what it took alone, so "it
+    # finished first" holds on a loaded machine too (2 s where a rollout takes a fraction of one).
+    timeout_seconds = round(max(2.0, 5 * alone_seconds), 1)
 
     async def race():
         loop = asyncio.get_running_loop()
@@ -504,14 +509,15 @@ def test_a_hung_agent_is_ended_at_the_timeout_and_others_run_meanwhile(engine, e
 
     (hung_outcome, hung_seconds), (normal_outcome, normal_seconds) = engine.run(race())
     assert hung_outcome.failure == "timeout" and hung_outcome.experiences == []
-    assert "rollout_timeout_seconds=2.0" in hung_outcome.error
-    assert timeout_seconds <= hung_seconds < timeout_seconds + 1.0
+    assert f"rollout_timeout_seconds={timeout_seconds}" in hung_outcome.error
+    # Ended at its timeout, not before; the upper bound is generous (it would otherwise hang forever).
+    assert timeout_seconds <= hung_seconds < timeout_seconds + 30
     assert normal_outcome.failure == "", normal_outcome.error
     (experience,) = normal_outcome.experiences
     assert sum(experience.action_mask) >= 1
-    assert normal_seconds < max(timeout_seconds / 2, 3 * alone_seconds), \
+    # Ordering, not a time window: the normal rollout ended while the hung one still held its session.
+    assert normal_seconds < hung_seconds, \
         f"a normal rollout took {normal_seconds:.2f} s beside a hung one, {alone_seconds:.2f} s alone"
-    assert normal_seconds < hung_seconds - 0.5
     (ctx,) = HangsForever.contexts
     _assert_session_ended(endpoint, ctx)
 

@@ -221,7 +221,9 @@ def test_requests_queued_in_the_scheduler_when_the_pause_lands_finish_wholly_on_
             await asyncio.sleep(0.001)
         if not partial_rollout:  # 'wait': the running requests finish first, on the old weights
             await _until(lambda: all(t.done() or p == 0 for t, p in zip(tasks, progress)))
-        await asyncio.sleep(0.3)  # what was sampled before the pause (or during the drain) is delivered
+        # What was sampled before the pause (or during the drain) is delivered: no event marks that,
+        # so a settle time, generous for a loaded machine (delivery takes milliseconds).
+        await asyncio.sleep(1.0)
         held = list(progress)  # still paused: the weights have not changed yet
         go.set()  # the trainer broadcasts
         await swap

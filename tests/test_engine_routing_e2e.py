@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from test_train_e2e import DEMO, _job_sets, _torchrun
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def test_the_engine_counts_prompt_tokens_and_those_it_computed_past_the_prefix_cache(engine):

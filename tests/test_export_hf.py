@@ -16,7 +16,8 @@ from molt.optimizer import OptimizerSettings
 from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.checkpoint import save_checkpoint
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# gloo ranks and a vLLM engine: not in the unit tier
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 PROBE = list(range(3, 45))
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "export_hf.py"

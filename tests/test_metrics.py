@@ -75,17 +75,20 @@ def test_invalid_wandb_mode_names_the_value(tmp_path):
 
 def test_stage_timer_accumulates_and_resets():
     timer = StageTimer()
+    started = time.perf_counter()
     for _ in range(2):
         with timer.stage("rollout"):
             time.sleep(0.02)
     with pytest.raises(RuntimeError), timer.stage("train"):  # a failing stage still counts
         time.sleep(0.01)
         raise RuntimeError("boom")
+    wall_seconds = time.perf_counter() - started
 
     seconds = timer.pop()
     assert set(seconds) == {"time/rollout", "time/train"}
-    assert 0.04 <= seconds["time/rollout"] < 0.5
-    assert 0.01 <= seconds["time/train"] < 0.5
+    assert seconds["time/rollout"] >= 0.04 and seconds["time/train"] >= 0.01
+    # Bounded by the wall time the stages spanned, not a fixed figure a loaded machine can exceed.
+    assert seconds["time/rollout"] + seconds["time/train"] <= wall_seconds
     assert timer.pop() == {}
 
 

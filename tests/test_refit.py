@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from molt.refit import RefitSender, find_free_port
+from molt.refit import RefitSender
 from molt.weight_sync import BucketEntry, plan_buckets
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# starts vLLM engines (not in the unit tier); refits wait up to 240 s
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 NUM_REFITS = 3
 PROBE = list(range(3, 45))

@@ -302,6 +302,7 @@ def _free_job_id() -> str:
     raise AssertionError("no free port in 20000-29999")
 
 
+@pytest.mark.timeout(600)  # a two-task job given 300 s
 def test_two_plain_srun_tasks_train_without_torchrun(tmp_path, tiny_model_dir, demo_data_dir):
     """Two processes with only the variables srun gives its tasks (one node, localhost): molt.train
     maps them, rendezvouses, and trains with the real vLLM CPU engine."""

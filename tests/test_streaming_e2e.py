@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from test_train_e2e import DEMO, _job_sets, _torchrun
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
 SLOW_AGENT = str(Path(__file__).parent / "agents" / "slow_two_turn.py")
@@ -26,6 +27,7 @@ def _check_accounting(row: dict) -> None:
     assert row["rollout/dispatched_total"] == row["rollout/consumed_total"] + dropped + row["rollout/in_flight"], row
 
 
+@pytest.mark.timeout(1200)  # two torchrun jobs of up to 420 s each
 def test_max_staleness_zero_is_synchronous_and_reproducible(tmp_path, tiny_model_dir, demo_data_dir):
     # max_staleness=0 is the synchronous trainer (tests/test_controller.py pins its dispatches and
     # batches): with fixed seeds two jobs train on the same samples and log the same numbers.
@@ -86,10 +88,12 @@ def test_streaming_without_partial_rollout_never_mixes_versions_in_an_experience
     # Rollouts whose second turn ran after a refit were split there (the first turn became context).
     assert sum(r.get("drift/version_change", 0) for r in rows) > 0
     assert max(r["rollout/segments_per_rollout"] for r in rows) > 1
-
-
     # Short experiences (payloads.inline_bytes) travel whole in their records, none through the store.
     assert rows[-1]["payloads/inlined"] > 0 and rows[-1]["payloads/offloaded"] == 0, rows[-1]
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)  # one torchrun job of 300 steps, limited to 600 s
 def test_300_streaming_steps_move_every_payload_through_the_store_and_leak_nothing(
         tmp_path, tiny_model_dir, demo_data_dir):
     """Trainer ranks fetch their experiences from the rollout rank's payload store; a small budget

@@ -9,7 +9,8 @@ import pytest
 
 from test_train_e2e import DEMO, FLAKY_RECEIVER_ENV, VARIED_AGENT, _job_sets, _torchrun
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# a torchrun job (not in the unit tier) with a 600 s limit
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def test_tensor_parallel_trainer_and_engine_train_and_serve_the_trainers_weights(

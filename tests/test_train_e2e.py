@@ -14,7 +14,8 @@ import pytest
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
-pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
+# torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
@@ -40,6 +41,9 @@ def _torchrun(nproc: int, config: str, sets: list[str], timeout_seconds: float =
         _kill_tree(process.pid)
         stdout, stderr = process.communicate()
         raise AssertionError(f"torchrun job still running after {timeout_seconds}s; stderr:\n{stderr[-4000:]}")
+    except BaseException:  # the test's own time limit, Ctrl-C: no job outlives the test either
+        _kill_tree(process.pid)
+        raise
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
@@ -111,7 +115,9 @@ def test_a_failed_refit_names_the_engine_within_one_timeout_and_the_retry_loads_
     """The engine fails version 2's first refit attempt (its load raises) and sleeps past
     refit.timeout_seconds in version 3's; each attempt is reported naming the engine, the refit
     group is rebuilt and the retry loads the weights: the refit check after every step matches."""
-    out, timeout = tmp_path / "run", 8
+    # 15 s: the window below (more than one timeout, less than two) then leaves 13 s past the 17 s hang
+    # for the rebuild and the retry, generous for a loaded machine.
+    out, timeout = tmp_path / "run", 15
     sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
         "train.num_steps": 4, "train.learning_rate": 1e-3, "rollout.max_response_tokens": 8,
         "refit.timeout_seconds": timeout, "refit.check_every_steps": 1,
