@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
@@ -40,6 +40,7 @@ from molt.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.experience import Experience
 from molt.payloads import PayloadClient, PayloadRef, default_node_id
 from molt.rollout import decode_outcome
+from molt.weight_sync import RefitError
 from molt.wire import Router
 
 logger = logging.getLogger("molt")
@@ -424,6 +425,26 @@ class RolloutController:
         if send_error is not None:
             problems.append(f"the trainer's {send_error}")
         return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
+
+    def await_joined(self, timeout_seconds: float, join_error: Exception | None = None,
+                     absent: Collection[int] = ()) -> None:
+        """Wait up to `timeout_seconds` for every engine to confirm it joined a fresh refit group. An
+        engine that did not is named: by its rank's own report (RolloutRankError, e.g. its engine died)
+        or in a RefitError, which also carries `join_error` (the sender's failed rendezvous). `absent`:
+        the rollout ranks whose engines never reached that rendezvous; when known, only they are named
+        (the others timed out waiting for them)."""
+        replies = self.receive_replies("refit_joined", len(self.rollout_ranks), time.monotonic() + timeout_seconds,
+                                       "refit join")
+        joined = {reply["rank"] for reply in replies}
+        timeout = f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}"
+        problems = ([f"the engine of rollout rank {rank} never reached the refit rendezvous within {timeout}"
+                     for rank in sorted(absent)] or
+                    [f"the engine of rollout rank {rank} did not join within {timeout}"
+                     for rank in self.rollout_ranks if rank not in joined])
+        if join_error is not None:
+            problems.append(f"the trainer's sender: {join_error}")
+        if problems:
+            raise RefitError("refit group: " + "; ".join(problems))
 
     def _refit_problems(self, reply_type: str, version: int, attempt: int, deadline: float, verb: str) -> list[str]:
         """One line per engine whose `reply_type` for this attempt was missing by `deadline` or reported an error."""

@@ -61,6 +61,9 @@ class RolloutEngine:
         self.seed = seed
         self.weight_sync = weight_sync or build_engine_sync("gloo")  # the engine half of refit (molt.weight_sync)
         self.policy_version = 0
+        # True while the workers hold weights the engine core does not label yet (a load completed but
+        # its version label failed): such an engine must not serve, or new weights would pass as old.
+        self.unlabelled_weights = False
         self._request_ids = itertools.count()
         # (policy version, prompt ids) -> generations of that prompt so far under that version; see _sampling_seed.
         self._prompt_counts: dict[tuple[int, int], int] = {}
@@ -206,7 +209,9 @@ class RolloutEngine:
         """Receive one refit broadcast and load it; generation must be paused by the caller. The
         engine core labels what it samples from here on with `version` (see `stream`)."""
         await self.weight_sync.receive(self.llm, version)
+        self.unlabelled_weights = True
         await self.llm.update_weight_version(str(version))
+        self.unlabelled_weights = False
         self.policy_version = version
         self._prompt_counts.clear()  # its keys carry the version: older ones can never match again
 
@@ -224,7 +229,8 @@ class RolloutEngine:
         swap is a sample of the new policy given that prefix (its log-prob, too).
 
         A failure after some new weights reached the model leaves the engine paused: it holds a mix
-        of old and new weights and serves nothing until a later refit succeeds (RELIABILITY 29)."""
+        of old and new weights and serves nothing until a later refit succeeds (RELIABILITY 29). So
+        does one after all of them did but before the engine core took their version label."""
         await self.llm.pause_generation(mode="keep" if partial_rollout else "wait", clear_cache=True)
         intact = True
         try:
@@ -244,7 +250,7 @@ class RolloutEngine:
 
     async def _recover_weight_sync(self) -> bool:
         try:
-            return await self.weight_sync.recover(self.llm)
+            return await self.weight_sync.recover(self.llm) and not self.unlabelled_weights
         except Exception:
             logger.exception("could not recover the engine's weight sync after a failed refit")
             return False

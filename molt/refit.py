@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from collections.abc import Callable
 
 import torch
@@ -21,19 +20,29 @@ from molt.weight_sync import BucketEntry, EngineWeightSync, RefitSendError, Weig
 logger = logging.getLogger("molt")
 
 
-def make_refit_group(host: str, port: int, rank: int, world_size: int, timeout_seconds: float,
-                     *, is_server: bool) -> dist.ProcessGroup:
+def serve_refit_rendezvous(host: str, world_size: int, timeout_seconds: float) -> dist.TCPStore:
+    """The sender's rendezvous store, listening on a port the OS picked (its `.port`): the port is
+    named to the engines only once it is bound, so no other process can take it meanwhile."""
+    return dist.TCPStore(host, 0, world_size=world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_seconds), wait_for_workers=False)
+
+
+def join_refit_rendezvous(host: str, port: int, world_size: int, timeout_seconds: float) -> dist.TCPStore:
+    """An engine worker's connection to the sender's rendezvous."""
+    return dist.TCPStore(host, port, world_size=world_size, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
+def arrival_key(rank: int) -> str:
+    """The rendezvous key an engine worker sets on arrival, so that a rendezvous that times out can
+    name the ranks that never came (the others were waiting for them)."""
+    return f"molt-arrived/{rank}"
+
+
+def make_refit_group(store: dist.Store, rank: int, world_size: int, timeout_seconds: float) -> dist.ProcessGroup:
     """A gloo group outside torch.distributed's world: the trainer's sender and the engine workers."""
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    store = dist.TCPStore(host, port, world_size=world_size, is_master=is_server, timeout=timeout,
-                          wait_for_workers=False)
     return dist.ProcessGroupGloo(dist.PrefixStore("molt-refit", store), rank, world_size, timeout)
-
-
-def find_free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class RefitSender(WeightSender):
@@ -45,31 +54,31 @@ class RefitSender(WeightSender):
     def __init__(self, model: torch.nn.Module, **kwargs):
         super().__init__(model, **kwargs)
         self.group: dist.ProcessGroup | None = None
-        self._rendezvous: tuple[str, int, int] | None = None  # host, port, world size of the next group
+        self._rendezvous: dist.TCPStore | None = None  # the next group's, served by this sender
+        self._world_size = 0  # the next group's
         self._buffers: dict[str, list[torch.Tensor]] = {}  # dtype -> two flat buffers (see _flat_buffer)
 
     def group_message(self, host: str, world_size: int) -> dict:
-        port = find_free_port(host)
-        self._rendezvous = (host, port, world_size)
-        return {"backend": self.backend, "host": host, "port": port, "world_size": world_size,
+        """Serve a fresh rendezvous; the message names the port it listens on."""
+        self._rendezvous = serve_refit_rendezvous(host, world_size, self.timeout_seconds)
+        self._world_size = world_size
+        return {"backend": self.backend, "host": host, "port": self._rendezvous.port, "world_size": world_size,
                 "timeout_seconds": self.timeout_seconds, "plan": self.wire_plan}
 
     def connect(self) -> None:
-        """Serve the rendezvous and join as rank 0 (blocks until every worker joined)."""
-        host, port, world_size = self._rendezvous
+        """Join the group as rank 0 (blocks until every worker joined)."""
+        world_size = self._world_size
         try:
-            self.group = make_refit_group(host, port, 0, world_size, self.timeout_seconds, is_server=True)
+            self.group = make_refit_group(self._rendezvous, 0, world_size, self.timeout_seconds)
         except RuntimeError as error:  # the store's timeout
+            absent = [rank for rank in range(1, world_size) if not self._rendezvous.check([arrival_key(rank)])]
             raise RefitSendError(f"not every engine worker joined the gloo refit group of {world_size} ranks "
-                                 f"within refit.timeout_seconds={self.timeout_seconds:g}: {error}") from error
-
-    def open_group(self, host: str, port: int, world_size: int) -> None:
-        """`connect` to a group on a port the caller chose (tests and tools/bench/refit.py)."""
-        self._rendezvous = (host, port, world_size)
-        self.connect()
+                                 f"within refit.timeout_seconds={self.timeout_seconds:g} (refit ranks that never "
+                                 f"came: {absent}): {error}", absent_ranks=absent) from error
 
     def close_group(self) -> None:
         self.group = None
+        self._rendezvous = None
 
     def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> Callable[[], None]:
         """Copy the bucket into a flat buffer (casting to the engine dtype) and start its broadcast;

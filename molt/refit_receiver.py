@@ -46,13 +46,15 @@ class RefitReceiver:
                               timeout_seconds: float, plan: list[list[list]]) -> None:
         """Join the refit group; `rank` is the engine's first refit rank, to which each worker adds
         its tensor-parallel rank."""
-        from molt.refit import make_refit_group
+        from molt.refit import arrival_key, join_refit_rendezvous, make_refit_group
 
         # Every in-place reload warns that the rotary cache and a tied lm_head got no checkpoint
         # tensor; both are expected here (the lm_head is re-tied below).
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         own_rank = rank + self.molt_tensor_parallel_rank()
-        self._molt_group = make_refit_group(host, port, own_rank, world_size, timeout_seconds, is_server=False)
+        rendezvous = join_refit_rendezvous(host, port, world_size, timeout_seconds)
+        rendezvous.set(arrival_key(own_rank), "1")
+        self._molt_group = make_refit_group(rendezvous, own_rank, world_size, timeout_seconds)
         self._molt_plan = plan  # buckets of [name, dtype, shape]
         # One receive buffer, the largest bucket's size, allocated once and reused by every bucket of
         # every refit (fresh multi-MB buffers would run at first-touch memory speed).

@@ -32,20 +32,20 @@ from molt.loop_lag import LoopLagMonitor
 from molt.metrics import ProcessResourceSampler
 from molt.payloads import PayloadStore, default_node_id, offload_record
 from molt.weight_sync import RefitError
-from molt.wire import connect_dealer, pack, unpack
+from molt.wire import ControllerAddress, connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
 
 RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this loop: their requests waited meanwhile"
 
 
-def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: str, host: str) -> None:
+def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
 
 
 class RolloutService:
-    def __init__(self, cfg: MoltConfig, rank: int, controller_address: str, host: str):
+    def __init__(self, cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str):
         self.cfg = cfg
         self.rank = rank
         self.host = host  # this node's interface: other nodes' trainer ranks fetch payloads there

@@ -286,7 +286,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
     from molt.placement import check_placement, node_gpu_ids
     from molt.rollout import run_rollout_rank
     from molt.trainer import Trainer
-    from molt.wire import Router
+    from molt.wire import ControllerAddress, Router
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_trainers = cfg.layout.num_trainer_ranks
@@ -320,12 +320,14 @@ def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
         if rank == 0:
             logger.info("%s", describe_layout(cfg))
             router = Router(host)
-            store.set(CONTROLLER_KEY, router.address)
+            # The controller's address and the job's keys: every rank trusts this store for rendezvous.
+            store.set(CONTROLLER_KEY, router.address.to_bytes())
             Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
-                    controller_address=router.address, router=router, rollout_ranks=rollout_ranks).train()
+                    controller_address=router.address, router=router, rollout_ranks=rollout_ranks,
+                    prompt_rows=prompt_rows).train()
             logger.info("done; metrics in %s", os.path.join(cfg.output_dir, "metrics.jsonl"))
         else:
-            address = store.get(CONTROLLER_KEY).decode()
+            address = ControllerAddress.from_bytes(store.get(CONTROLLER_KEY))
             if is_trainer:
                 Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
                         controller_address=address, router=None, rollout_ranks=rollout_ranks).train()

@@ -23,7 +23,7 @@ from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.payloads import PayloadClient, PayloadRef, default_node_id, reload_record
 from molt.weight_sync import RefitError, RefitSendError, build_sender, engine_first_rank, refit_world_size
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.wire import ControllerAddress, Router, connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
 
@@ -209,14 +209,34 @@ class Trainer:
         for index, rank in enumerate(self.rollout_ranks):
             self.router.send(f"rollout-{rank}", {"type": "join_refit",
                                                  "group": {**group, "rank": engine_first_rank(index, tensor_parallel)}})
-        self.refit.connect()
-        self.controller.expect("refit_joined", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit join")
+        try:
+            self.refit.connect()
+        except RefitSendError as error:  # an engine did not join: its rank's report, or its absence, names it
+            absent = {self.rollout_ranks[(rank - 1) // tensor_parallel] for rank in error.absent_ranks}
+            self.controller.await_joined(0.0, error, absent=absent)
+        self.controller.await_joined(self.cfg.refit.timeout_seconds)
 
     def shutdown(self) -> None:
+        self.progress.close()
         self.payloads.close()
         if self.is_controller:
-            self.controller.shutdown()
+            self.controller.shutdown(wait_seconds=ROLLOUT_RANK_STOP_SECONDS)
         self.metrics.close()
+
+    def stop_for_failed_rollouts(self, step: int, rollouts: StepRollouts) -> None:
+        """Controller only: after agent.max_failed_steps steps whose every rollout failed, log this
+        step, stop the rollout ranks, then tell the other trainer ranks (waiting for their batch) to
+        stop too, and raise. Before that, each such step trains on nothing."""
+        reason = self.failed_steps.record(rollouts)
+        if reason is None:
+            return
+        self.metrics.log(step, _rollout_metrics(rollouts, []))
+        message = f"step {step}: {reason}"
+        logger.error("%s; stopping the job", message)
+        self.shutdown()
+        for rank in range(1, self.num_trainer_ranks):
+            self.router.send(f"trainer-{rank}", {"type": "stop", "error": message})
+        raise RolloutsFailedError(message)
 
     # -- batches ---------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ Each backend has a trainer half (`WeightSender`, on every trainer rank) and an e
 If an engine does not acknowledge the pause in time, nothing is broadcast, but every trainer rank
 still runs the FSDP2 gathers (`broadcast(send=False)`), so no trainer rank waits in a collective.
 An engine whose load fails part-way stays paused until a refit succeeds (RolloutEngine.swap_weights).
+After a failed attempt the group is rebuilt; an engine that cannot rejoin (its engine died) is named
+by its rank's report or, silent, as one that never reached the rendezvous, and the job stops.
 
 Refit ranks: the trainer's sending rank is 0; worker `t` (its tensor-parallel rank) of engine `e`
 is `1 + e * TP + t`. The join message carries the engine's first rank; each worker adds its own.
@@ -48,7 +50,12 @@ class RefitError(RuntimeError):
 
 
 class RefitSendError(RuntimeError):
-    """The sender could not deliver the weights (the refit timeout, or a peer went away)."""
+    """The sender could not deliver the weights (the refit timeout, or a peer went away).
+    `absent_ranks`: after a failed rendezvous, the refit ranks that never reached it, when known."""
+
+    def __init__(self, message: str, *, absent_ranks: list[int] | None = None):
+        super().__init__(message)
+        self.absent_ranks = absent_ranks or []
 
 
 # -- the bucket plan ---------------------------------------------------------------------------

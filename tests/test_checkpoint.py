@@ -5,7 +5,6 @@ refuses a directory holding another run's checkpoints, and rotation removes only
 import json
 import logging
 import multiprocessing
-import os
 import random
 import time
 from pathlib import Path
@@ -23,7 +22,6 @@ from molt import train
 from molt.checkpoint import (check_fresh_start, checkpoint_run_id, complete_checkpoints, load_checkpoint, resolve_resume,
                              save_checkpoint, step_dir)
 from molt.config import ConfigError
-from molt.refit import find_free_port
 
 CPU = torch.device("cpu")
 
@@ -39,11 +37,10 @@ def _checksum(actor: Actor) -> float:
         return float(sum(p.full_tensor().double().sum() for p in actor.model.parameters()))
 
 
-def _writer(model_path: str, root: str, port: int) -> None:
+def _writer(model_path: str, root: str) -> None:
     """Checkpoints steps 1, 2, 3, ... with new weights each time, until killed; records each step's
     checksum before writing it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no rendezvous
     actor = _actor(model_path)
     Path(root).mkdir(parents=True, exist_ok=True)
     for step in range(1, 10_000):
@@ -67,7 +64,7 @@ def test_a_writer_killed_at_random_points_leaves_the_previous_checkpoint_loadabl
     context = multiprocessing.get_context("spawn")
     for trial in range(3):
         root = tmp_path / f"trial{trial}"
-        writer = context.Process(target=_writer, args=(model_path, str(root), find_free_port("127.0.0.1")), daemon=True)
+        writer = context.Process(target=_writer, args=(model_path, str(root)), daemon=True)
         writer.start()
         deadline = time.monotonic() + 120
         while not (root / "step_00000001" / "COMPLETE").exists():

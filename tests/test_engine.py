@@ -10,9 +10,12 @@ from collections import namedtuple
 import pytest
 import torch
 
+from conftest import SHARED_ENGINE_KV_CACHE_GIGABYTES, SHARED_ENGINE_MAX_NUM_SEQS
 from molt.agents.base import SamplingParams
-from molt.engine import RolloutEngine, cpu_thread_binding, token_versions
-from molt.refit import RefitSender, find_free_port
+from molt.config import DEFAULT_KV_CACHE_GIGABYTES, ConfigError, MoltConfig, apply_override, validate_config
+from molt.engine import (EngineStartError, RolloutEngine, build_engine_args, cpu_thread_binding,
+                         describe_memory_shortfall, token_versions)
+from molt.refit import RefitSender
 
 pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 
@@ -44,10 +47,10 @@ class TrainerSide:
 
     def join(self, engine) -> None:
         """A fresh refit group with the engine's worker (again after a failed refit)."""
-        port = find_free_port("127.0.0.1")
+        port = self.sender.group_message("127.0.0.1", 2)["port"]
         joined = engine.submit(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                                               timeout_seconds=120, plan=self.sender.wire_plan))
-        self.sender.open_group("127.0.0.1", port, 2)
+        self.sender.connect()
         joined.result(120)
 
     def set_weights(self, *, noise_seed: int | None) -> None:
@@ -271,10 +274,10 @@ def test_a_load_failing_part_way_leaves_the_engine_paused_until_a_refit_succeeds
     sender = RefitSender(trainer_side.model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=5)
     plan = sender.wire_plan
     plan[1][0][0] = "model.layers.0.self_attn.no_such_proj.weight"
-    port = find_free_port("127.0.0.1")
+    port = sender.group_message("127.0.0.1", 2)["port"]
     joined = engine.submit(rollout_engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                                            timeout_seconds=5, plan=plan))
-    sender.open_group("127.0.0.1", port, 2)
+    sender.connect()
     joined.result(60)
     trainer_side.set_weights(noise_seed=4)
     failing_sender = threading.Thread(target=lambda: _ignore_errors(sender.broadcast), daemon=True)

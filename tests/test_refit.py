@@ -1,7 +1,11 @@
 """Refit over gloo: the bucket plan, and weights broadcast from 2 FSDP2 trainer ranks into a real
 vLLM engine, received into one bucket-sized buffer and loaded as they arrive."""
 
+import os
+import socket
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +46,7 @@ def test_plan_is_O_buckets_for_a_real_model(tiny_model_dir):
     assert sorted(e[0] for b in sender.wire_plan for e in b) == sorted(n for n, _ in model.named_parameters())
 
 
-def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_refits: int):
+def _trainer_rank(rank: int, world_size: int, model_dir: str, port_file: str, num_refits: int):
     from molt.actor import build_actor_model, compute_token_logprobs
     from molt.parallelize import ShardingPlan, TrainerMesh
 
@@ -50,8 +54,11 @@ def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_ref
     model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
     shards = list(model.parameters())
     sender = RefitSender(model, is_sender=rank == 0, bucket_bytes=256 << 10, timeout_seconds=60)
-    if rank == 0:
-        sender.open_group("127.0.0.1", port, 2)
+    if rank == 0:  # tells the test the rendezvous port, as the join message tells the engines
+        port = sender.group_message("127.0.0.1", 2)["port"]
+        Path(f"{port_file}.tmp").write_text(str(port))
+        os.replace(f"{port_file}.tmp", port_file)
+        sender.connect()
     probes = []
     generator = torch.Generator().manual_seed(rank)
     for _ in range(num_refits):
@@ -67,11 +74,11 @@ def _trainer_rank(rank: int, world_size: int, model_dir: str, port: int, num_ref
     return {"probes": probes, "num_buckets": len(sender.buckets)}
 
 
-def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_model_dir):
+def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_model_dir, tmp_path):
     """Several buckets, layers straddling bucket boundaries (the attention's q and k in one bucket,
     its v in the next), one receive buffer reused by all: the weights vLLM held on to across a
     boundary were copied out of the buffer before it was overwritten, or the engine would not match."""
-    port = find_free_port("127.0.0.1")
+    port_file = tmp_path / "refit-port"
     from transformers import AutoModelForCausalLM
 
     plan_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -80,7 +87,7 @@ def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_
 
     def trainers():
         try:
-            results["ranks"] = run_ranks(_trainer_rank, 2, str(tiny_model_dir), port, NUM_REFITS,
+            results["ranks"] = run_ranks(_trainer_rank, 2, str(tiny_model_dir), str(port_file), NUM_REFITS,
                                          timeout_seconds=240)
         except BaseException as error:  # surfaced below
             results["error"] = error
@@ -88,6 +95,11 @@ def test_back_to_back_refits_from_two_fsdp_ranks_match_the_trainer(engine, tiny_
     before = engine.run(engine.engine.score(PROBE))
     thread = threading.Thread(target=trainers)
     thread.start()
+    deadline = time.monotonic() + 240
+    while not port_file.exists():
+        assert thread.is_alive() and time.monotonic() < deadline, f"trainer rank 0 named no port: {results}"
+        time.sleep(0.1)
+    port = int(port_file.read_text())
     engine.run(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                               timeout_seconds=60, plan=plan), timeout_seconds=240)
     engine_probes, stats = [], []
@@ -123,10 +135,10 @@ def _restore_engine_weights(engine, model_dir, plan) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     sender = RefitSender(model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=60)
-    port = find_free_port("127.0.0.1")
+    port = sender.group_message("127.0.0.1", 2)["port"]
     joined = engine.submit(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
                                                           timeout_seconds=60, plan=sender.wire_plan))
-    sender.open_group("127.0.0.1", port, 2)
+    sender.connect()
     joined.result(60)
     received = engine.submit(engine.engine.receive_weights(0))
     sender.broadcast()
@@ -147,7 +159,7 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=30, engine_dtype="bfloat16")
     assert {entry[1] for bucket in sender.wire_plan for entry in bucket} == {"bfloat16"}
-    port = find_free_port("127.0.0.1")
+    port = sender.group_message("127.0.0.1", 2)["port"]
     receiver, received = StandaloneReceiver(), {}
 
     def receive():
@@ -157,7 +169,7 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
 
     thread = threading.Thread(target=receive)
     thread.start()
-    sender.open_group("127.0.0.1", port, 2)
+    sender.connect()
     sent = sender.broadcast()
     thread.join(30)
     parameters = dict(model.named_parameters())
@@ -168,3 +180,32 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
         assert torch.equal(received[name], parameter.detach().to(torch.bfloat16)), name
     largest = max(sum(e.num_bytes for e in bucket) for bucket in sender.buckets)
     assert receiver.molt_receive_stats()["buffer_bytes"] == largest < sent  # one bucket's buffer, not the model's
+
+
+def test_the_refit_rendezvous_is_bound_before_its_port_is_named():
+    """The sender's store listens on the port the join message names from the moment it is named:
+    no other process can take it in between, and a worker joining there forms the group."""
+    from molt.refit import join_refit_rendezvous, make_refit_group
+
+    sender = RefitSender(torch.nn.Linear(4, 2), is_sender=True, bucket_bytes=1 << 10, timeout_seconds=30)
+    message = sender.group_message("127.0.0.1", 2)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", message["port"]))
+    received = {}
+
+    def worker():
+        group = make_refit_group(join_refit_rendezvous("127.0.0.1", message["port"], 2, 30), 1, 2, 30)
+        tensor = torch.zeros(2, dtype=torch.int64)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([tensor], options).wait()
+        received["tensor"] = tensor
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    sender.connect()
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    sender.group.broadcast([torch.tensor([7, message["port"]])], options).wait()
+    thread.join(30)
+    assert received["tensor"].tolist() == [7, message["port"]]

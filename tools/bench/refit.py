@@ -319,9 +319,9 @@ def bench_bucket_size(trainer: RefitTrainer, args, first_version: int) -> dict |
 def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> None:
     """One of the 2 trainer processes; rank 0 puts its router's address, then a record per layout and
     bucket size, then None on `results`."""
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two trainer ranks and two engine workers share the machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=NUM_TRAINER_RANKS)
+    store = dist.TCPStore(HOST, port, is_master=False)  # the rendezvous the benchmark's process serves
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=NUM_TRAINER_RANKS)
     controller = None
     if rank == 0:
         controller = RefitController(trainer_config(model_dir, args.layouts[0], 1, args.timeout_seconds),
@@ -432,7 +432,6 @@ async def serve_rollout_rank(service, recorder: EngineRecorder, trainers: list, 
 
 async def run_benchmark(args, model_dir: Path) -> None:
     from molt.engine import RolloutEngine
-    from molt.refit import find_free_port
     from molt.rollout import RolloutService
 
     num_bytes = count_model_bytes(model_dir)
@@ -442,8 +441,11 @@ async def run_benchmark(args, model_dir: Path) -> None:
           "all": [round(r) for r in tcp_rates]})
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = find_free_port(HOST)
-    trainers = [context.Process(target=run_trainer_rank, args=(rank, port, str(model_dir), args, results), daemon=True)
+    # The trainer ranks' rendezvous, served here on a port the OS picked (no window for another
+    # process to take it between choosing and binding).
+    rendezvous = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    trainers = [context.Process(target=run_trainer_rank, args=(rank, rendezvous.port, str(model_dir), args, results),
+                                daemon=True)
                 for rank in range(NUM_TRAINER_RANKS)]
     for process in trainers:
         process.start()

@@ -1,0 +1,455 @@
+"""Refit failures (RELIABILITY cases 2, 3, 4 and 29) on the real parts: the gloo refit group between
+processes with Molt's own receiver code, the controller's real ZeroMQ socket, and the shared vLLM
+CPU engine where the engine itself matters.
+
+- case 2: an engine worker that dies, or hangs, part-way through the broadcast fails the sender
+  within refit.timeout_seconds (never a hang); a rebuilt group then delivers every weight bit for bit.
+- case 4: the refit group torn down and rebuilt three times in a row (a restarted engine each time),
+  with the sender on global rank 1 of two FSDP2 trainer ranks.
+- case 3: per refit attempt the controller sends one message per engine and receives two, and its
+  counters say what ZeroMQ took: a send to a rank that is gone raises, naming it, and counts nothing.
+- case 29: an engine whose broadcast stops part-way either kept its old weights (nothing was loaded:
+  it resumes, serving bitwise the old log-probs under the old label) or stays paused until a refit
+  succeeds (some layers were new: it never serves the mix under either label); so does one whose
+  load completed but whose new version label the engine core did not take.
+- case 2, the trainer's side: a rebuilt group that an engine cannot join stops the job naming it.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distributed import run_ranks
+from molt.config import MoltConfig
+from molt.controller import RolloutController
+from molt.refit import RefitSender
+from molt.refit_receiver import RefitReceiver
+from molt.weight_sync import RefitSendError
+from molt.wire import Router, connect_dealer, pack, unpack
+
+TIMEOUT_SECONDS = 5.0  # refit.timeout_seconds of these groups
+SLACK_SECONDS = 60.0  # what a loaded 2-core machine may add to a bound (stated, generous)
+PROBE = list(range(3, 45))
+
+
+class StandaloneReceiver(RefitReceiver):
+    """Molt's engine-worker receive code outside vLLM: no tensor-parallel state to ask."""
+
+    def molt_tensor_parallel_rank(self) -> int:
+        return 0
+
+
+def _tiny_model(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=128, vocab_size=64, max_position_embeddings=128, tie_word_embeddings=True)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def _join_message(sender: RefitSender, rank: int = 1, world_size: int = 2) -> dict:
+    group = dict(sender.group_message("127.0.0.1", world_size))
+    group.pop("backend")
+    return {**group, "rank": rank}
+
+
+# -- case 2: an engine worker that dies or hangs during the broadcast --------------------------------
+
+
+def _engine_worker(connection, fault: str | None) -> None:
+    """An engine worker's refit side in its own process: joins each group it is sent, receives, and
+    reports what it got. `fault` ('die' or 'hang') strikes once, after the first weight arrived."""
+    import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (the receive's import: seconds)
+
+    receiver = StandaloneReceiver()
+    connection.send("started")
+    while (group := connection.recv()) is not None:
+        receiver.molt_join_refit_group(**group)
+        received = {}
+        try:
+            for name, tensor in receiver.molt_stream_weights():
+                received[name] = tensor.clone()
+                if fault == "die":
+                    os._exit(17)  # killed mid-broadcast (OOM killer, a crash in the worker)
+                if fault == "hang":
+                    fault = None
+                    os.kill(os.getpid(), signal.SIGSTOP)  # frozen until the test sends SIGCONT
+            connection.send(("received", received))
+        except RuntimeError as error:  # gloo: the group's timeout, or the sender went away
+            connection.send(("failed", str(error)))
+        receiver.molt_leave_refit_group()
+
+
+def _start_workers(*faults: str | None) -> list[tuple]:
+    """(process, connection) per fault, started side by side; returns once each has done its imports
+    (seconds here), so it joins a group well within the group's timeout."""
+    context = mp.get_context("spawn")
+    workers = []
+    for fault in faults:
+        parent, child = context.Pipe()
+        process = context.Process(target=_engine_worker, args=(child, fault), daemon=True)
+        process.start()
+        workers.append((process, parent))
+    for _, connection in workers:
+        assert connection.poll(SLACK_SECONDS) and connection.recv() == "started"
+    return workers
+
+
+def _timed_broadcast(sender: RefitSender) -> tuple[float, str | None]:
+    started = time.monotonic()
+    try:
+        sender.broadcast()
+        return time.monotonic() - started, None
+    except RefitSendError as error:
+        return time.monotonic() - started, str(error)
+
+
+def _assert_received_bitwise(connection, model) -> None:
+    assert connection.poll(TIMEOUT_SECONDS + SLACK_SECONDS)
+    status, received = connection.recv()
+    assert status == "received", received
+    parameters = dict(model.named_parameters())
+    assert received.keys() == parameters.keys()
+    for name, parameter in parameters.items():
+        assert torch.equal(received[name], parameter.detach()), name
+
+
+@pytest.mark.e2e
+def test_an_engine_worker_that_dies_or_hangs_mid_broadcast_fails_the_send_within_the_timeout_and_the_next_refit_works():
+    model = _tiny_model()
+    sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=TIMEOUT_SECONDS)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert len(sender.buckets) > 2
+    (dying, to_dying), (hanging, to_hanging) = _start_workers("die", "hang")
+    try:
+        # Dies after its first weight: the sender fails at once, before all the buckets went out.
+        to_dying.send(_join_message(sender))
+        sender.connect()
+        seconds, error = _timed_broadcast(sender)
+        dying.join(SLACK_SECONDS)
+        assert dying.exitcode == 17
+        assert error is not None and error.startswith("gloo broadcast failed after"), error
+        assert int(error.removeprefix("gloo broadcast failed after ").split()[0]) < model_bytes
+        assert seconds < TIMEOUT_SECONDS + SLACK_SECONDS
+        # Freezes after its first weight: the sender fails at the group's timeout, not later, not never.
+        sender.close_group()
+        to_hanging.send(_join_message(sender))
+        sender.connect()
+        seconds, error = _timed_broadcast(sender)
+        assert error is not None and "Timed out" in error, error
+        assert TIMEOUT_SECONDS <= seconds < TIMEOUT_SECONDS + SLACK_SECONDS
+        sender.close_group()  # the trainer gives up on the attempt and drops the group
+        os.kill(hanging.pid, signal.SIGCONT)
+        # Thawed, the worker finds the group gone: its receive fails instead of waiting forever.
+        assert to_hanging.poll(TIMEOUT_SECONDS + SLACK_SECONDS)
+        status, message = to_hanging.recv()
+        assert status == "failed", message
+        # The next refit, with other weights, over a fresh group: every weight arrives bit for bit.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1.5)
+        to_hanging.send(_join_message(sender))
+        sender.connect()
+        assert _timed_broadcast(sender)[1] is None
+        _assert_received_bitwise(to_hanging, model)
+        to_hanging.send(None)
+        hanging.join(SLACK_SECONDS)
+    finally:
+        for worker in (dying, hanging):
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGCONT)
+                worker.kill()
+
+
+# -- case 4: three rebuilds in a row, the sender on global rank 1 --------------------------------------
+
+
+def _rebuild_three_times(rank: int, world_size: int, model_dir: str, num_rebuilds: int) -> list[float]:
+    """Two FSDP2 trainer ranks; global rank 1 sends. Each round: the old group is torn down, a fresh
+    engine worker (a thread of rank 0's process here, as a restarted engine) joins a fresh group, the
+    shards change, and the worker must receive exactly the gathered weights."""
+    from molt.actor import build_actor_model
+    from molt.parallelize import ShardingPlan, TrainerMesh
+
+    mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
+    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
+    is_sender = rank == 1
+    sender = RefitSender(model, is_sender=is_sender, bucket_bytes=256 << 10, timeout_seconds=60)
+    generator = torch.Generator().manual_seed(rank)
+    gaps = []
+    for _ in range(num_rebuilds):
+        sender.close_group()
+        message = [_join_message(sender) if is_sender else None]
+        dist.broadcast_object_list(message, src=1)  # the join message, as the controller would send it
+        received, worker = {}, None
+        if rank == 0:
+            def receive(group=message[0]):
+                receiver = StandaloneReceiver()
+                receiver.molt_join_refit_group(**group)
+                received.update((name, t.clone()) for name, t in receiver.molt_stream_weights())
+                receiver.molt_leave_refit_group()
+
+            worker = threading.Thread(target=receive)
+            worker.start()
+        if is_sender:
+            sender.connect()
+        with torch.no_grad():
+            for param in model.parameters():
+                local = param.to_local()
+                local.add_(torch.randn(local.shape, generator=generator) * 0.02)
+        sender.broadcast()
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        if worker is not None:
+            worker.join(120)
+            assert received.keys() == full.keys()
+            gaps.append(max((received[n] - full[n]).abs().max().item() for n in full))
+    return gaps
+
+
+@pytest.mark.e2e
+def test_the_refit_group_is_rebuilt_three_times_in_a_row_with_the_sender_on_global_rank_1(tiny_model_dir):
+    receiving, sending = run_ranks(_rebuild_three_times, 2, str(tiny_model_dir), 3, timeout_seconds=300)
+    assert receiving == [0.0, 0.0, 0.0]  # every round: bit for bit what the two shards hold
+
+
+# -- case 3: control messages per refit, counted as sent ---------------------------------------------
+
+
+def _stand_in_rollout_rank(address, rank: int, num_refits: int, counted: dict) -> None:
+    """Answers each 'refit' as a rollout rank does (paused, then done) and counts what reached it."""
+    import zmq
+
+    context = zmq.Context()
+    socket = connect_dealer(address, f"rollout-{rank}", context)
+    try:
+        socket.send(pack({"type": "ready", "rank": rank}))
+        for _ in range(num_refits):
+            frame = socket.recv()
+            counted["messages"] += 1
+            counted["bytes"] += len(frame)
+            message = unpack(frame)
+            reply = {"rank": rank, "version": message["version"], "attempt": message["attempt"], "error": None}
+            socket.send(pack({"type": "refit_paused", **reply}))
+            socket.send(pack({"type": "refit_done", **reply}))
+        socket.recv()  # the shutdown, which the test sends last
+    finally:
+        socket.close(0)
+        context.term()
+
+
+def test_a_refit_costs_one_message_out_and_two_back_per_engine_counted_as_delivered(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = MoltConfig()
+    cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 60
+    num_refits, ranks = 3, [1, 2]
+    router = Router("127.0.0.1")
+    counted = {rank: {"messages": 0, "bytes": 0} for rank in ranks}
+    threads = [threading.Thread(target=_stand_in_rollout_rank, args=(router.address, rank, num_refits, counted[rank]),
+                                daemon=True) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    controller = RolloutController(cfg, router, rollout_ranks=ranks)
+    try:
+        controller.expect("ready", len(ranks), 60, "start")
+        for version in range(1, num_refits + 1):  # the controller's side of Trainer.attempt_refit
+            before = (router.messages_sent, router.bytes_sent, router.messages_received)
+            controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
+            deadline = time.monotonic() + cfg.refit.timeout_seconds
+            assert controller.await_paused(version, 1, deadline) is None
+            assert controller.finish_refit(version, 1, deadline, None) is None
+            assert router.messages_sent - before[0] == len(ranks)  # O(engines), never O(parameters)
+            assert router.messages_received - before[2] == 2 * len(ranks)
+        # A rollout rank that is gone: the send raises naming it, and nothing is counted as sent.
+        before = (router.messages_sent, router.bytes_sent)
+        with pytest.raises(ConnectionError, match="rollout-3 is not connected to the controller"):
+            router.send("rollout-3", {"type": "refit", "version": 9, "attempt": 1})
+        assert (router.messages_sent, router.bytes_sent) == before
+        controller.send_to_rollout_ranks({"type": "shutdown"})
+        for thread in threads:
+            thread.join(60)
+    finally:
+        controller.payloads.close()
+        router.close()
+    # What the counters say went out is what the ranks got, message for message and byte for byte.
+    assert router.messages_sent == sum(c["messages"] for c in counted.values()) + len(ranks)  # + the shutdowns
+    shutdown_bytes = len(pack({"type": "shutdown"})) * len(ranks)
+    assert router.bytes_sent == sum(c["bytes"] for c in counted.values()) + shutdown_bytes
+    assert all(c["messages"] == num_refits for c in counted.values())
+
+
+# -- case 29: a broadcast that stops part-way, on the real engine ---------------------------------------
+
+
+class SenderThatStops(RefitSender):
+    """The trainer's sender, going away after `num_buckets` buckets (a trainer rank killed mid-refit):
+    it sends no more and drops its group, so the engine's next receive finds the connection closed."""
+
+    def __init__(self, model, num_buckets: int):
+        super().__init__(model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=30)
+        self.num_buckets = num_buckets
+        self.num_sent = 0
+
+    def send_bucket(self, bucket, tensors):
+        if self.num_sent == self.num_buckets:
+            self.close_group()
+            raise RefitSendError(f"stopped after {self.num_buckets} buckets")
+        self.num_sent += 1
+        wait = super().send_bucket(bucket, tensors)
+        wait()
+        return None
+
+
+def _refit_engine(engine, sender: RefitSender, version: int) -> BaseException | None:
+    """One refit of the shared engine from `sender` over a fresh group, as the trainer runs one
+    attempt: the broadcast starts once the engine has paused. Returns the engine's error, if any."""
+    message = _join_message(sender)
+    joined = engine.submit(engine.engine.join_refit_group(**message))
+    sender.connect()
+    joined.result(120)
+
+    async def broadcast_in_a_thread():
+        threading.Thread(target=lambda: _timed_broadcast(sender), daemon=True).start()
+
+    try:
+        engine.run(engine.engine.swap_weights(version, partial_rollout=False, on_paused=broadcast_in_a_thread),
+                   timeout_seconds=300)
+    except Exception as error:
+        return error
+    return None
+
+
+@pytest.mark.e2e
+def test_a_broadcast_stopping_part_way_never_serves_a_mix_of_weights_under_either_label(engine, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    rollout_engine, llm = engine.engine, engine.engine.llm
+    version = rollout_engine.policy_version
+    before = engine.run(rollout_engine.score(PROBE))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():  # new weights whose log-probs differ visibly from the old ones
+        generator = torch.Generator().manual_seed(3)
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    try:
+        # Stopped before the first bucket: nothing was loaded. The engine resumes on its old weights,
+        # under its old label, serving bitwise what it served before.
+        error = _refit_engine(engine, SenderThatStops(model, num_buckets=0), version + 1)
+        assert error is not None
+        assert not engine.run(llm.is_paused()) and rollout_engine.policy_version == version
+        assert engine.run(llm.collective_rpc("molt_weights_intact")) == [True]
+        assert engine.run(rollout_engine.score(PROBE)) == before
+        # Stopped after the first bucket: the layers it completed are new, the rest old. The engine
+        # stays paused (a probe submitted meanwhile gets nothing) until a refit succeeds, and then
+        # serves wholly the new weights.
+        stopped = SenderThatStops(model, num_buckets=1)
+        assert len(stopped.buckets) > 1
+        error = _refit_engine(engine, stopped, version + 1)
+        assert error is not None
+        assert engine.run(llm.is_paused()) and rollout_engine.policy_version == version
+        assert engine.run(llm.collective_rpc("molt_weights_intact")) == [False]
+        waiting = engine.submit(rollout_engine.score(PROBE))
+        time.sleep(1.0)
+        assert not waiting.done()
+        assert _refit_engine(engine, RefitSender(model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=30),
+                             version + 1) is None
+        after = waiting.result(120)
+        assert rollout_engine.policy_version == version + 1
+        assert engine.run(rollout_engine.score(PROBE)) == after
+        new_gap = max(abs(a - b) for a, b in zip(after[1:], before[1:]))
+        assert new_gap > 1e-2, "the new weights must be visible, or this test could not fail"
+        # Loaded wholly, but the engine core did not take the new version label (a stand-in injects
+        # that): resuming would serve the new weights under the old label, so the engine stays paused.
+        async def label_fails(label: str) -> None:
+            raise RuntimeError(f"injected: the engine core did not take label {label}")
+
+        llm.update_weight_version = label_fails
+        try:
+            error = _refit_engine(engine, RefitSender(model, is_sender=True, bucket_bytes=256 << 10,
+                                                      timeout_seconds=30), version + 2)
+        finally:
+            del llm.update_weight_version  # vLLM's own again
+        assert "injected" in str(error)
+        assert engine.run(llm.is_paused()) and rollout_engine.policy_version == version + 1
+    finally:  # the original weights, for the other tests sharing this engine
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(original[name])
+        restored = _refit_engine(engine, RefitSender(model, is_sender=True, bucket_bytes=256 << 10,
+                                                     timeout_seconds=30), version)
+    assert restored is None and engine.run(rollout_engine.score(PROBE)) == before
+
+
+# -- case 2, the trainer's side: an engine that cannot rejoin is named ----------------------------------
+
+
+def _rollout_rank_joining(address, rank: int, behaviour: str) -> None:
+    """A rollout rank's answer to 'join_refit': 'join' runs Molt's receiver code (the real join);
+    'dead' reports the failure its rank reports when its engine died; 'silent' says nothing."""
+    import zmq
+
+    context = zmq.Context()
+    socket = connect_dealer(address, f"rollout-{rank}", context)
+    try:
+        socket.send(pack({"type": "ready", "rank": rank}))
+        message = unpack(socket.recv())
+        if behaviour == "join":
+            group = {key: value for key, value in message["group"].items() if key != "backend"}
+            try:
+                StandaloneReceiver().molt_join_refit_group(**group)
+                socket.send(pack({"type": "refit_joined", "rank": rank}))
+            except RuntimeError:  # the other engine never came: this one's join times out too
+                pass
+        elif behaviour == "dead":  # what RolloutService.guarded sends when join_refit raised
+            socket.send(pack({"type": "error", "rank": rank, "during": "join_refit",
+                              "error": "EngineDeadError: EngineCore encountered an issue"}))
+        socket.poll(30_000)  # until the test is done with the controller
+    finally:
+        socket.close(0)
+        context.term()
+
+
+@pytest.mark.parametrize("behaviour, error, match", [
+    ("dead", "RolloutRankError", "refit join: rollout-2 reported join_refit failure: EngineDeadError"),
+    ("silent", "RefitError", r"refit group: the engine of rollout rank 2 never reached the refit rendezvous within "
+                             r"refit.timeout_seconds=2; the trainer's sender: not every engine worker joined")])
+def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, behaviour, error, match):
+    """After an engine died mid-broadcast, the trainer rebuilds the group for its retry; that engine
+    cannot join. The job stops within the refit timeout with an error naming it (Trainer.open_refit_group
+    on a real controller socket, a real gloo rendezvous and one real joining worker)."""
+    from types import SimpleNamespace
+
+    from molt.trainer import Trainer
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = MoltConfig()
+    cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 2
+    router = Router("127.0.0.1")
+    ranks = {1: "join", 2: behaviour}
+    threads = [threading.Thread(target=_rollout_rank_joining, args=(router.address, rank, how), daemon=True)
+               for rank, how in ranks.items()]
+    for thread in threads:
+        thread.start()
+    controller = RolloutController(cfg, router, rollout_ranks=list(ranks))
+    sender = RefitSender(_tiny_model(), is_sender=True, bucket_bytes=16 << 10,
+                         timeout_seconds=cfg.refit.timeout_seconds)
+    trainer = SimpleNamespace(cfg=cfg, refit=sender, router=router, controller=controller, host="127.0.0.1",
+                              rollout_ranks=list(ranks))
+    try:
+        controller.expect("ready", len(ranks), 60, "start")
+        started = time.monotonic()
+        with pytest.raises(Exception, match=match) as raised:
+            Trainer.open_refit_group(trainer)
+        assert type(raised.value).__name__ == error
+        assert time.monotonic() - started < cfg.refit.timeout_seconds + SLACK_SECONDS
+    finally:
+        controller.payloads.close()
+        router.close()
