@@ -43,7 +43,7 @@ def config() -> MoltConfig:
     cfg.rollout.n_samples_per_prompt = 16
     cfg.rollout.max_response_tokens = 4096
     cfg.rollout.max_length = 16384
-    cfg.rollout.engine_memory_fraction = 0.95  # ~15 GiB per GPU left for the (small, MLA) KV cache
+    cfg.rollout.kv_cache_gigabytes = 10  # per GPU, beside ~240 GiB of weights: the (small, MLA) KV cache
     cfg.rollout.enforce_eager = False
     cfg.rollout.num_agent_workers = 8
     cfg.train.num_steps = 300

@@ -112,6 +112,10 @@ class AgentConfig(ConfigSection):
     CA bundle each time (~30-50 ms of CPU per client; see molt/agents/tls.py)."""
 
 
+# Each engine worker's KV cache when neither rollout.kv_cache_gigabytes nor engine_memory_fraction is set.
+DEFAULT_KV_CACHE_GIGABYTES = 1.0
+
+
 @dataclass(kw_only=True)
 class RolloutConfig(ConfigSection):
     prompts_per_step: int = 8
@@ -131,8 +135,18 @@ class RolloutConfig(ConfigSection):
     """ChatAgents: how tool calls are read from replies: hermes (the <tool_call> blocks of Qwen and
     Hermes templates, parsed as they stream) or a vLLM tool parser's name (llama3_json, mistral,
     deepseek_v3, pythonic, ...; applied to the whole reply) for templates of other families."""
-    engine_memory_fraction: float = 0.1
-    """vLLM gpu_memory_utilization: a share of GPU memory, or of host memory on CPU."""
+    kv_cache_gigabytes: float = 0.0
+    """KV cache of each engine worker in GiB (vLLM kv_cache_memory_bytes; a tensor-parallel engine has
+    one worker per device), on CPU and GPU alike; the weights and activations come on top. 0 = unset:
+    engine_memory_fraction sizes the engine, or, if that is unset too, 1 GiB (DEFAULT_KV_CACHE_GIGABYTES)."""
+    engine_memory_fraction: float = 0.0
+    """vLLM gpu_memory_utilization: the share of a GPU an engine worker fills (weights, activations,
+    KV cache), or on CPU of the NUMA node's memory (less the engine process's own); 0 = unset. Set
+    this or kv_cache_gigabytes, not both."""
+    engine_args: dict[str, object] = field(default_factory=dict)
+    """More vLLM engine arguments (AsyncEngineArgs names: enable_prefix_caching, max_num_seqs,
+    speculative_config, quantization, compilation_config, ...), passed through as given. Names Molt
+    sets from its own fields are refused, naming the field."""
     engine_threads: int = 0
     """CPU only: OpenMP threads of each engine (0 = vLLM's default)."""
     engine_start_timeout_seconds: float = 300.0
@@ -150,6 +164,13 @@ class RolloutConfig(ConfigSection):
     group_affinity: bool = True
     """Run a group's rollouts on one engine (its prompt prefilled once, then prefix-cached) while load
     allows (molt.engine_router.EngineRouter); False: each rollout goes to the least-loaded engine."""
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """Each engine worker's KV-cache budget in bytes; None when engine_memory_fraction sizes the engine."""
+        if self.engine_memory_fraction > 0:
+            return None
+        return int((self.kv_cache_gigabytes or DEFAULT_KV_CACHE_GIGABYTES) * 2**30)
 
 
 @dataclass(kw_only=True)
@@ -469,6 +490,11 @@ def _convert(raw: str, hint, key: str):
             return origin(item_type(v) for v in values)
         if origin in (typing.Union, types.UnionType):
             return json.loads(raw)
+        if origin is dict:  # a JSON object: rollout.engine_args='{"max_num_seqs": 64}'
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
     except (ValueError, json.JSONDecodeError) as error:
         raise ConfigError(f"--set {key}={raw!r}: expected {_type_name(hint)}") from error
     raise ConfigError(f"--set {key}: fields of type {_type_name(hint)} cannot be set from the command line")
@@ -642,8 +668,18 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"rollout.top_p={rollout.top_p}: must be 1.0; the trainer recomputes log-probs over the full vocabulary, "
           f"so nucleus sampling would make them differ from the behaviour log-probs (the sampling contract, "
           f"docs/agents.md)")
-    check(0 < rollout.engine_memory_fraction <= 1,
-          f"rollout.engine_memory_fraction={rollout.engine_memory_fraction}: must be in (0, 1]")
+    check(0 <= rollout.engine_memory_fraction <= 1,
+          f"rollout.engine_memory_fraction={rollout.engine_memory_fraction}: must be in (0, 1], or 0 to leave it unset")
+    check(rollout.kv_cache_gigabytes >= 0,
+          f"rollout.kv_cache_gigabytes={rollout.kv_cache_gigabytes}: must be > 0, or 0 to leave it unset")
+    check(not (rollout.kv_cache_gigabytes > 0 and rollout.engine_memory_fraction > 0),
+          f"rollout.kv_cache_gigabytes={rollout.kv_cache_gigabytes} and rollout.engine_memory_fraction="
+          f"{rollout.engine_memory_fraction} both size the engine: set one of them and leave the other at 0 "
+          f"(kv_cache_gigabytes, a byte budget, fits any machine with that much memory free)")
+    if rollout.engine_args:  # vLLM's own argument names: imported only when there is something to check
+        from molt.engine import engine_args_errors
+
+        errors += engine_args_errors(rollout.engine_args)
     check(train.max_tokens_per_micro_batch >= rollout.max_length,
           f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
           f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")

@@ -247,20 +247,31 @@ def _check_gpu_memory(cfg: MoltConfig, model: ModelFootprint, needed: float) -> 
     if gpu <= 0:
         yield "GPU memory: not checked (layout.gpu_memory_gigabytes=0)"
         return
-    budget = cfg.rollout.engine_memory_fraction * gpu
+    kv_cache_bytes = cfg.rollout.kv_cache_bytes
+    if kv_cache_bytes is None:  # a share of the GPU holds the weights, the activations and the KV cache
+        budget, engine_needs = cfg.rollout.engine_memory_fraction * gpu, engine
+        sizing = f"rollout.engine_memory_fraction x layout.gpu_memory_gigabytes = {budget / GIB:.1f} GiB"
+        engine_line = (f"engine weights {engine / GIB:.2f} GiB of the engine's {budget / GIB:.2f} GiB "
+                       f"(rollout.engine_memory_fraction={cfg.rollout.engine_memory_fraction:g})")
+        fix = "raise rollout.engine_memory_fraction"
+    else:  # the weights plus a KV cache of fixed size
+        budget, engine_needs = gpu, engine + kv_cache_bytes
+        sizing = f"layout.gpu_memory_gigabytes={layout.gpu_memory_gigabytes:g}"
+        engine_line = (f"engine weights {engine / GIB:.2f} GiB + KV cache {kv_cache_bytes / GIB:.2f} GiB "
+                       f"(rollout.kv_cache_gigabytes), before activations")
+        fix = "lower rollout.kv_cache_gigabytes"
     yield (f"GPU memory: {layout.gpu_memory_gigabytes:g} GiB (layout.gpu_memory_gigabytes); a trainer rank needs at "
-           f"least {needed / GIB:.2f} GiB; engine weights {engine / GIB:.2f} GiB of the engine's "
-           f"{budget / GIB:.2f} GiB (rollout.engine_memory_fraction={cfg.rollout.engine_memory_fraction:g})")
+           f"least {needed / GIB:.2f} GiB; {engine_line}")
     problems = []
     if needed > gpu:
         problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
                         f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now "
                         f"{layout.num_trainer_ranks}) to shard finer, or set train.cpu_offload")
-    if engine > budget:
-        problems.append(f"an engine GPU needs {engine / GIB:.1f} GiB for the weights alone but gets "
-                        f"rollout.engine_memory_fraction x layout.gpu_memory_gigabytes = {budget / GIB:.1f} GiB: raise "
+    if engine_needs > budget:
+        problems.append(f"an engine GPU needs {engine_needs / GIB:.1f} GiB for its weights"
+                        f"{'' if kv_cache_bytes is None else ' and KV cache'} but gets {sizing}: raise "
                         f"layout.engine_tensor_parallel_size (now {tensor_parallel}, at most layout.gpus_per_node="
-                        f"{layout.gpus_per_node}) or rollout.engine_memory_fraction")
+                        f"{layout.gpus_per_node}) or {fix}")
     if problems:
         raise ConfigError("does not fit:\n  " + "\n  ".join(problems))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from molt.config import MoltConfig
 from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
 
 logger = logging.getLogger("molt")
+ENGINE_SHUTDOWN_SECONDS = 30.0  # longest wait for the engine core to exit before it is killed
+GIB = 2**30
 
 
 @dataclass(kw_only=True)
@@ -74,50 +77,22 @@ class RolloutEngine:
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
-        """Build the engine; raises EngineStartError naming the model path on failure."""
+        """Build the engine; raises EngineStartError saying what failed and which field to change."""
         from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from molt.train import trainer_device_type
 
-        if cfg.rollout.engine_threads > 0:
-            os.environ.setdefault("OMP_NUM_THREADS", str(cfg.rollout.engine_threads))
-        tensor_parallel = cfg.layout.engine_tensor_parallel_size
-        if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
-                sorted(os.sched_getaffinity(0)), tensor_parallel, cfg.rollout.engine_threads)
         backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg))
-        args = AsyncEngineArgs(
-            model=cfg.model.path,
-            dtype=cfg.model.dtype,
-            seed=seed,
-            max_model_len=cfg.rollout.max_length,
-            gpu_memory_utilization=cfg.rollout.engine_memory_fraction,
-            tensor_parallel_size=tensor_parallel,
-            enforce_eager=cfg.rollout.enforce_eager,
-            # Behaviour log-probs must be those of the distribution actually sampled from
-            # (after temperature), because the trainer recomputes them at that temperature.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=cfg.refit.receiver_cls,
-            # NCCL refit goes through vLLM's own weight-transfer engine in each worker (molt.weight_sync_nccl).
-            weight_transfer_config={"backend": "nccl"} if backend == "nccl" else None,
-            disable_log_stats=True,
-            # Every request carries a sampling seed (_sampling_seed). When vLLM throws away the
-            # sample of a partial (chunked) prefill it rewinds that request's generator, which a CPU
-            # generator cannot do: the engine dies ("CPU Generator does not use offset"). On CPU
-            # each prefill therefore runs whole (max_num_batched_tokens grows to max_model_len).
-            enable_chunked_prefill=not current_platform.is_cpu(),
-        )
+        args = build_engine_args(cfg, seed=seed, backend=backend)
+        vllm_config = None
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-            llm = AsyncLLM.from_engine_args(args)
+            vllm_config = args.create_engine_config()
+            llm = AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                            disable_log_stats=args.disable_log_stats)
         except Exception as error:
-            raise EngineStartError(
-                f"vLLM could not load model.path={cfg.model.path!r}: {type(error).__name__}: {error}. "
-                f"Check that it is a Hugging Face model directory of an architecture vLLM supports "
-                f"(tools/make_tiny_model.py writes one)") from error
+            raise EngineStartError(describe_start_failure(cfg, vllm_config, error)) from error
         return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend))
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
@@ -266,6 +241,163 @@ class RolloutEngine:
             # (modules half torn down) that second shutdown raises and prints a traceback; it has
             # nothing left to do, so it becomes a no-op.
             llm.shutdown = lambda *args, **kwargs: None
+
+
+# vLLM engine arguments Molt sets itself, each with what to do instead; rollout.engine_args may not set them.
+MOLT_ENGINE_ARGS = {
+    "model": "set model.path",
+    "tokenizer": "set model.path (Molt and the engine read its tokenizer)",
+    "dtype": "set model.dtype",
+    "seed": "set seed (engine i, on the i-th rollout rank, gets seed + i)",
+    "max_model_len": "set rollout.max_length",
+    "tensor_parallel_size": "set layout.engine_tensor_parallel_size",
+    "pipeline_parallel_size": "refit reaches tensor-parallel workers only: set layout.engine_tensor_parallel_size",
+    "data_parallel_size": "each rollout rank hosts one engine: set layout.num_rollout_ranks",
+    "gpu_memory_utilization": "set rollout.engine_memory_fraction",
+    "kv_cache_memory_bytes": "set rollout.kv_cache_gigabytes",
+    "enforce_eager": "set rollout.enforce_eager",
+    "worker_extension_cls": "set refit.receiver_cls",
+    "weight_transfer_config": "set refit.backend",
+    "logprobs_mode": "the trainer needs the log-probs of the distribution sampled from (processed_logprobs)",
+    "enable_chunked_prefill": "Molt turns it off on CPU, where a seeded request cannot rewind its sampler",
+}
+
+
+def engine_args_errors(engine_args: dict) -> list[str]:
+    """One message per rollout.engine_args name that vLLM's AsyncEngineArgs lacks (with the closest
+    one it has) or that Molt sets itself (with the field to set instead)."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    valid = [f.name for f in dataclasses.fields(AsyncEngineArgs)]
+    errors = []
+    for name in engine_args:
+        if name in MOLT_ENGINE_ARGS:
+            errors.append(f"rollout.engine_args[{name!r}]: Molt sets this vLLM argument itself; "
+                          f"{MOLT_ENGINE_ARGS[name]}")
+        elif name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see vLLM's AsyncEngineArgs for the names"
+            if close and close[0] in MOLT_ENGINE_ARGS:
+                hint += f" Molt sets that one itself: {MOLT_ENGINE_ARGS[close[0]]}"
+            errors.append(f"rollout.engine_args[{name!r}]: vLLM has no engine argument {name!r}; {hint}")
+    return errors
+
+
+def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str):
+    """vLLM's AsyncEngineArgs of a rollout rank's engine: Molt's own settings, then rollout.engine_args."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    from molt.config import ConfigError
+
+    errors = engine_args_errors(cfg.rollout.engine_args)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    if cfg.rollout.engine_threads > 0:
+        os.environ.setdefault("OMP_NUM_THREADS", str(cfg.rollout.engine_threads))
+    tensor_parallel = cfg.layout.engine_tensor_parallel_size
+    if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+            sorted(os.sched_getaffinity(0)), tensor_parallel, cfg.rollout.engine_threads)
+    kv_cache_bytes = cfg.rollout.kv_cache_bytes
+    memory = ({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None
+              else {"gpu_memory_utilization": cfg.rollout.engine_memory_fraction})
+    arguments = dict(
+        model=cfg.model.path,
+        dtype=cfg.model.dtype,
+        seed=seed,
+        max_model_len=cfg.rollout.max_length,
+        **memory,
+        tensor_parallel_size=tensor_parallel,
+        enforce_eager=cfg.rollout.enforce_eager,
+        # Behaviour log-probs must be those of the distribution actually sampled from
+        # (after temperature), because the trainer recomputes them at that temperature.
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=cfg.refit.receiver_cls,
+        # NCCL refit goes through vLLM's own weight-transfer engine in each worker (molt.weight_sync_nccl).
+        weight_transfer_config={"backend": "nccl"} if backend == "nccl" else None,
+        disable_log_stats=True,
+        # Every request carries a sampling seed (_sampling_seed). When vLLM throws away the
+        # sample of a partial (chunked) prefill it rewinds that request's generator, which a CPU
+        # generator cannot do: the engine dies ("CPU Generator does not use offset"). On CPU
+        # each prefill therefore runs whole (max_num_batched_tokens grows to max_model_len).
+        enable_chunked_prefill=not current_platform.is_cpu(),
+    )
+    return AsyncEngineArgs(**{**arguments, **cfg.rollout.engine_args})
+
+
+def describe_start_failure(cfg: MoltConfig, vllm_config, error: Exception) -> str:
+    """Why the engine did not start, and which field to change. vLLM reports a memory shortfall only
+    in the engine process's log, so the KV-cache budget is compared here with what one sequence of
+    rollout.max_length needs and with the memory free on this machine."""
+    failure = f"{type(error).__name__}: {error}"
+    memory = describe_memory_shortfall(cfg, vllm_config) if vllm_config is not None else None
+    if memory:
+        return f"the engine could not start: {memory} (vLLM: {failure})"
+    engine_args = (f" and that vLLM takes rollout.engine_args={cfg.rollout.engine_args!r}"
+                   if cfg.rollout.engine_args else "")
+    return (f"vLLM could not start an engine on model.path={cfg.model.path!r}: {failure}. Check that it is a "
+            f"Hugging Face model directory of an architecture vLLM supports (tools/make_tiny_model.py writes "
+            f"one){engine_args}; if vLLM's log above says the KV cache did not fit, set rollout.kv_cache_gigabytes")
+
+
+def describe_memory_shortfall(cfg: MoltConfig, vllm_config) -> str | None:
+    """What is wrong with the engine's memory settings, if that can be told from here."""
+    budget, needed = cfg.rollout.kv_cache_bytes, sequence_kv_cache_bytes(vllm_config)
+    length = f"one rollout.max_length={cfg.rollout.max_length}-token sequence"
+    setting = (f"rollout.kv_cache_gigabytes={cfg.rollout.kv_cache_gigabytes:g}" if cfg.rollout.kv_cache_gigabytes
+               else "the default when rollout.kv_cache_gigabytes is unset")
+    if budget is not None and budget < needed:
+        return (f"the KV cache of {budget / GIB:.4g} GiB per engine worker ({setting}) cannot hold {length}, "
+                f"which needs about {needed / GIB:.4g} GiB: "
+                f"raise rollout.kv_cache_gigabytes to at least {gigabytes_rounded_up(needed)} or lower "
+                f"rollout.max_length")
+    if vllm_config.device_config.device_type != "cpu":  # vLLM's GPU workers say what did not fit
+        return None
+    node, total, free = host_memory()
+    if budget is not None and budget > free:
+        return (f"the KV cache of {budget / GIB:.4g} GiB per engine worker ({setting}) is more than the "
+                f"{free / GIB:.4g} GiB free of NUMA node "
+                f"{node}'s {total / GIB:.4g} GiB: lower rollout.kv_cache_gigabytes (one sequence of "
+                f"rollout.max_length needs about {needed / GIB:.4g} GiB) or free memory")
+    fraction = cfg.rollout.engine_memory_fraction
+    if budget is None and fraction * total > free:
+        return (f"rollout.engine_memory_fraction={fraction:g} asks for {fraction * total / GIB:.4g} GiB of NUMA "
+                f"node {node}'s {total / GIB:.4g} GiB, but {free / GIB:.4g} GiB are free: size the engine with "
+                f"rollout.kv_cache_gigabytes instead ({length} needs about {needed / GIB:.4g} GiB of KV cache)")
+    return None
+
+
+def sequence_kv_cache_bytes(vllm_config) -> int:
+    """About the KV cache one engine worker needs for one sequence of max_model_len tokens: K and V
+    (one latent with MLA) x attention layers x the worker's KV heads x head size x the cache dtype's
+    width, per token, in whole blocks, plus the block vLLM holds back. Exact for plain attention."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    width = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model).itemsize
+    per_token = ((1 if model.use_mla else 2) * model.get_num_layers_by_block_type(parallel, "attention")
+                 * model.get_num_kv_heads(parallel) * model.get_head_size() * width)
+    num_blocks = -(-model.max_model_len // cache.block_size) + 1
+    return num_blocks * cache.block_size * per_token
+
+
+def gigabytes_rounded_up(num_bytes: int) -> str:
+    """num_bytes in GiB to 4 significant digits, rounded up: a budget of that many GiB holds them."""
+    scale = 10 ** (3 - math.floor(math.log10(num_bytes / GIB)))
+    return f"{math.ceil(num_bytes / GIB * scale) / scale:.4g}"
+
+
+def host_memory() -> tuple[int, int, int]:
+    """(NUMA node, total bytes, free bytes) of the memory vLLM's CPU backend sizes an engine by."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    node = get_allowed_cpu_list()[0].numa_node
+    info = get_memory_node_info(node)
+    return node, info.total_memory, info.available_memory
 
 
 def token_versions(spans, num_tokens: int, fallback: int) -> list[int]:

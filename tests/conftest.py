@@ -137,6 +137,10 @@ def demo_data_dir() -> Path:
     return build_cached_demo_data()
 
 
+SHARED_ENGINE_KV_CACHE_GIGABYTES = 0.25  # the tiny model's ~262k tokens: the same on any machine
+SHARED_ENGINE_MAX_NUM_SEQS = 64  # vLLM: 128; 64 of the burst test's prompts still exceed a step's 2048 tokens
+
+
 class EngineThread:
     """A real vLLM CPU engine (Molt's RolloutEngine) on an event loop in a background thread,
     shared by the tests of a session because engine start takes ~15-30 s here."""
@@ -154,6 +158,10 @@ class EngineThread:
         cfg = MoltConfig()
         cfg.model.path = str(model_dir)
         cfg.rollout.max_length = 256
+        cfg.rollout.kv_cache_gigabytes = SHARED_ENGINE_KV_CACHE_GIGABYTES
+        # A vLLM argument passed through (tests/test_engine.py checks it took effect); fewer running
+        # requests also keep the tests that fill the scheduler short.
+        cfg.rollout.engine_args = {"max_num_seqs": SHARED_ENGINE_MAX_NUM_SEQS}
 
         async def start():
             return RolloutEngine.start(cfg, seed=0)

@@ -3,6 +3,9 @@ requests in flight (partial rollout or not) or queued, a weight load failing par
 seeds independent of batching, and the CPU thread binding of tensor-parallel engines."""
 
 import asyncio
+import json
+import math
+import re
 import threading
 import time
 from collections import namedtuple
@@ -356,3 +359,108 @@ def test_a_burst_of_seeded_requests_beyond_the_token_budget_runs(engine):
     generations = engine.run(burst())
     assert all(g.finish_reason in ("stop", "length") and len(g.policy_versions) == len(g.token_ids) >= 1
                for g in generations)
+
+
+# -- engine memory in bytes (rollout.kv_cache_gigabytes) and vLLM engine options (rollout.engine_args) --
+
+def _engine_config(model_dir, **rollout) -> MoltConfig:
+    cfg = MoltConfig()
+    cfg.model.path, cfg.data.train_path, cfg.agent.path = str(model_dir), __file__, __file__
+    cfg.rollout.max_length = 256
+    for name, value in rollout.items():
+        setattr(cfg.rollout, name, value)
+    return cfg
+
+
+def _naive_sequence_kv_bytes(model_dir, max_length: int, block_size: int) -> int:
+    """K and V of every layer and KV head for one max_length sequence, in whole vLLM blocks, plus the
+    block vLLM's pool holds back."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 4  # float32
+    return (math.ceil(max_length / block_size) + 1) * block_size * per_token
+
+
+def test_an_engine_whose_kv_cache_cannot_hold_one_sequence_says_what_it_needs(tiny_model_dir):
+    # A real engine start that vLLM refuses in its engine process (its message stays in that
+    # process's log): the error raised here names the budget, what one sequence needs, and the field.
+    needed_gib = _naive_sequence_kv_bytes(tiny_model_dir, 256, block_size=128) / 2**30  # vLLM CPU: 128-token blocks
+    cfg = _engine_config(tiny_model_dir, kv_cache_gigabytes=0.0002)  # ~210 KB: one block and a bit
+    with pytest.raises(EngineStartError) as raised:
+        RolloutEngine.start(cfg, seed=0)
+    message = str(raised.value)
+    assert "rollout.kv_cache_gigabytes=0.0002" in message
+    assert f"which needs about {needed_gib:.4g} GiB" in message
+    suggested = float(re.search(r"raise rollout.kv_cache_gigabytes to at least ([\d.e-]+)", message)[1])
+    assert needed_gib <= suggested < needed_gib * 1.001  # rounded up, so setting it is enough
+
+
+def test_a_kv_cache_larger_than_the_free_memory_is_named_with_the_free_memory(tiny_model_dir):
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+    cfg = _engine_config(tiny_model_dir, kv_cache_gigabytes=4096.0)
+    vllm_config = build_engine_args(cfg, seed=0, backend="gloo").create_engine_config()
+    assert vllm_config.cache_config.kv_cache_memory_bytes == 4096 * 2**30
+    message = describe_memory_shortfall(cfg, vllm_config)
+    free_gib, node = re.search(r"more than the ([\d.]+) GiB free of NUMA node (\d+)'s", message).groups()
+    assert float(free_gib) == pytest.approx(get_memory_node_info(int(node)).available_memory / 2**30, rel=0.2)
+    assert "lower rollout.kv_cache_gigabytes" in message
+    cfg.rollout.kv_cache_gigabytes = 0.25  # fits: nothing to say
+    assert describe_memory_shortfall(cfg, vllm_config) is None
+
+
+def test_kv_cache_gigabytes_and_engine_memory_fraction_are_not_both_set(tiny_model_dir):
+    cfg = _engine_config(tiny_model_dir, kv_cache_gigabytes=2.0, engine_memory_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_gigabytes=2.0 and rollout.engine_memory_fraction=0.5 "
+                                          r"both size the engine"):
+        validate_config(cfg)
+    cfg.rollout.engine_memory_fraction = 0.0
+    validate_config(cfg)
+    assert cfg.rollout.kv_cache_bytes == 2 * 2**30
+    assert build_engine_args(cfg, seed=0, backend="gloo").kv_cache_memory_bytes == 2 * 2**30
+    cfg.rollout.kv_cache_gigabytes, cfg.rollout.engine_memory_fraction = 0.0, 0.5  # a share, as vLLM sizes GPUs
+    validate_config(cfg)
+    args = build_engine_args(cfg, seed=0, backend="gloo")
+    assert (args.gpu_memory_utilization, args.kv_cache_memory_bytes) == (0.5, None)
+    cfg.rollout.engine_memory_fraction = 0.0  # neither: the default byte budget
+    assert build_engine_args(cfg, seed=0, backend="gloo").kv_cache_memory_bytes == DEFAULT_KV_CACHE_GIGABYTES * 2**30
+
+
+@pytest.mark.parametrize("engine_args, expected", [
+    ({"max_num_seq": 8}, "rollout.engine_args['max_num_seq']: vLLM has no engine argument 'max_num_seq'; "
+                         "did you mean 'max_num_seqs'?"),
+    ({"enable_prefix_cache": False}, "did you mean 'enable_prefix_caching'?"),
+    ({"tensor_parallel_size": 2}, "rollout.engine_args['tensor_parallel_size']: Molt sets this vLLM argument "
+                                  "itself; set layout.engine_tensor_parallel_size"),
+    ({"gpu_memory_utilization": 0.9}, "set rollout.engine_memory_fraction"),
+    ({"kv_cache_memory_bytes": 2**30}, "set rollout.kv_cache_gigabytes"),
+    ({"model": "other"}, "set model.path"),
+    ({"worker_extension_cls": "x.Y"}, "set refit.receiver_cls"),
+])
+def test_engine_args_refuse_unknown_and_molt_owned_names(tiny_model_dir, engine_args, expected):
+    cfg = _engine_config(tiny_model_dir, engine_args=engine_args)
+    with pytest.raises(ConfigError) as raised:  # at start-up
+        validate_config(cfg)
+    assert expected in str(raised.value)
+    with pytest.raises(ConfigError, match=re.escape(expected)):  # and by whoever starts an engine directly
+        build_engine_args(cfg, seed=0, backend="gloo")
+
+
+def test_engine_args_can_be_set_from_the_command_line(tiny_model_dir):
+    cfg = _engine_config(tiny_model_dir)
+    apply_override(cfg, 'rollout.engine_args={"enable_prefix_caching": false, "max_num_seqs": 8}')
+    validate_config(cfg)
+    args = build_engine_args(cfg, seed=0, backend="gloo")
+    assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 8)
+    with pytest.raises(ConfigError, match="expected dict"):
+        apply_override(cfg, "rollout.engine_args=[1, 2]")
+
+
+def test_engine_args_reach_the_started_engine(engine):
+    # The shared engine passes max_num_seqs through rollout.engine_args (tests/conftest.py); the
+    # engine core runs at most that many requests at once (the queued-requests test above relies on it).
+    from vllm.config import SchedulerConfig
+
+    vllm_config = engine.engine.llm.vllm_config
+    assert SHARED_ENGINE_MAX_NUM_SEQS != SchedulerConfig.DEFAULT_MAX_NUM_SEQS
+    assert vllm_config.scheduler_config.max_num_seqs == SHARED_ENGINE_MAX_NUM_SEQS
+    assert vllm_config.cache_config.kv_cache_memory_bytes == int(SHARED_ENGINE_KV_CACHE_GIGABYTES * 2**30)

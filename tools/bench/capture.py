@@ -315,6 +315,7 @@ async def run_benchmark(args, model_dir: Path) -> None:
     cfg = MoltConfig()
     cfg.model.path = str(model_dir)
     cfg.rollout.max_length = MAX_LENGTH
+    cfg.rollout.kv_cache_gigabytes = 0.25  # ~262k tokens of the tiny model, whatever the machine
     engine = RolloutEngine.start(cfg, seed=0)
     endpoint = SessionEndpoint(engine, engine.tokenizer, model_name=MODEL_NAME)
     http = aiohttp.ClientSession()

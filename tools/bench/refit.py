@@ -353,7 +353,7 @@ def engine_config(model_dir: Path, timeout_seconds: float) -> MoltConfig:
     cfg = MoltConfig()
     cfg.model.path = str(model_dir)
     cfg.rollout.max_length = 256
-    cfg.rollout.engine_memory_fraction = 0.05
+    cfg.rollout.kv_cache_gigabytes = 0.25  # per worker: bytes, so it fits any machine with 1 GiB free
     cfg.layout.engine_tensor_parallel_size = ENGINE_TENSOR_PARALLEL
     cfg.refit.backend = "gloo"
     cfg.refit.timeout_seconds = timeout_seconds
