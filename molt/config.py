@@ -331,6 +331,11 @@ class PayloadConfig(ConfigSection):
     payloads from shared memory, different ones fetch them over ZeroMQ."""
     fetch_timeout_seconds: float = 120.0
     """How long a trainer rank waits for a payload from another node's store."""
+    inline_bytes: int = 32768
+    """Experiences whose token-axis payload is at most this many bytes (13 a token, 17 with per-token
+    temperatures) travel whole in their light record, past the store: below ~32 KiB that costs less
+    than half a store round trip, while the controller decodes and forwards their tokens (a record
+    of at most ~1.75x this as msgpack). 0 = every experience goes through the store."""
 
 
 @dataclass(kw_only=True)
@@ -352,11 +357,6 @@ class MoltConfig(ConfigSection):
     device: str = "auto"
     """auto | cpu | cuda: where trainers compute and which collective backend they use."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    inline_bytes: int = 32768
-    """Experiences whose token-axis payload is at most this many bytes (13 a token, 17 with per-token
-    temperatures) travel whole in their light record, past the store: below ~32 KiB that costs less
-    than half a store round trip, while the controller decodes and forwards their tokens (a record
-    of at most ~1.75x this as msgpack). 0 = every experience goes through the store."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -706,6 +706,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"checkpoint.resume={cfg.checkpoint.resume!r}: '' | 'auto' | an existing step_<N> checkpoint directory")
     check(cfg.payloads.budget_megabytes >= 0, f"payloads.budget_megabytes={cfg.payloads.budget_megabytes}: must be >= 0 (0 spills every payload)")
     check(cfg.payloads.fetch_timeout_seconds > 0, f"payloads.fetch_timeout_seconds={cfg.payloads.fetch_timeout_seconds}: must be > 0")
+    check(cfg.payloads.inline_bytes >= 0, f"payloads.inline_bytes={cfg.payloads.inline_bytes}: must be >= 0 (0 sends every payload through the store)")
     check(not cfg.payloads.node_id or bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg.payloads.node_id)),
           f"payloads.node_id={cfg.payloads.node_id!r}: 1-64 characters of letters, digits, '_', '.', '-'")
     check(cfg.refit.check_every_steps >= 0,
@@ -742,7 +743,6 @@ def parse_activation_checkpointing(spec: str) -> int:
 
 def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> None:
     """The train section's precision, memory and optimizer options."""
-    check(cfg.payloads.inline_bytes >= 0, f"payloads.inline_bytes={cfg.payloads.inline_bytes}: must be >= 0 (0 sends every payload through the store)")
     check(train.param_dtype in DTYPES, f"train.param_dtype={train.param_dtype!r}: use one of {', '.join(DTYPES)}")
     check(train.compute_dtype in ("",) + DTYPES,
           f"train.compute_dtype={train.compute_dtype!r}: use '' (model.dtype) or one of {', '.join(DTYPES)}")
