@@ -159,6 +159,20 @@ def count_window_micro_batches(experiences: list[Experience], *, num_windows: in
             for window in split_into_windows(experiences, num_windows)]
 
 
+def share_step_batch(experiences: list[Experience], *, num_ranks: int, num_windows: int,
+                     max_tokens_per_micro_batch: int, layout: str) -> tuple[list[list[int]], list[int]]:
+    """Each data-parallel rank's experience indices (`assign_to_ranks`) and each optimizer window's
+    micro-batch count, the same on every rank: the busiest rank's, at least 1. A rank with a light
+    share, or none (fewer experiences than ranks, a step whose groups were all filtered), fills its
+    windows with empty micro-batches, so it runs every forward, backward and collective of the step
+    and no rank waits in one alone."""
+    shares = assign_to_ranks(experiences, num_ranks)
+    counts = [count_window_micro_batches([experiences[i] for i in share], num_windows=num_windows,
+                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, layout=layout)
+              for share in shares]
+    return shares, [max(1, *column) for column in zip(*counts)]
+
+
 def build_windows(experiences: list[Experience], *, num_windows: int, micro_batch_counts: list[int],
                   max_tokens_per_micro_batch: int, pad_token_id: int, layout: str,
                   temperature: float = 1.0) -> list[list[MicroBatch]]:

@@ -142,12 +142,14 @@ class Accounting:
 
 
 class RolloutController:
-    def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int]):
+    def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int], *,
+                 prompt_rows: list[PromptRow] | None = None):
+        """`prompt_rows`: data.train_path's rows when already read (molt.train); None reads the file."""
         self.cfg = cfg
         self.router = router
         self.rollout_ranks = rollout_ranks
         self.loader = build_prompt_loader(cfg.data.train_path, batch_size=cfg.rollout.prompts_per_step,
-                                          shuffle=cfg.data.shuffle, seed=cfg.seed)
+                                          shuffle=cfg.data.shuffle, seed=cfg.seed, rows=prompt_rows)
         self._prompts = iter(self.loader)
         # Rows the loader handed out that no step has dispatched yet (a backfill takes fewer rows
         # than a batch); the next call takes them first, so no row is skipped or repeated. The

@@ -2,12 +2,16 @@
 
 A row is chat-format: `messages` (or a plain-text `prompt`, which becomes one user message), a
 `label` for the reward, and optional `tools`, `images` and `metadata`. Rows are read from JSONL
-or Parquet and validated once, up front, so a bad row fails at start-up with its file and line.
+or Parquet and validated once, up front: molt.train reads the whole file on rank 0 before the
+process group, the models or the engines start (the loader holds every row anyway, so this is the
+only pass over the file), and `--dry-run` checks its first rows. A bad row fails naming its file
+and line, the key and what was expected; a key that is not a row key is ignored, with one warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import random
@@ -21,6 +25,14 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 logger = logging.getLogger("molt")
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
+ROW_KEYS = ("messages", "prompt", "label", "tools", "images", "metadata")
+# Keys other datasets use for the same thing, for the unknown-key warning's suggestion.
+KEY_ALIASES = {"answer": "label", "answers": "label", "solution": "label", "ground_truth": "label",
+               "target": "label", "reference": "label", "expected": "label", "output": "label",
+               "question": "prompt", "problem": "prompt", "query": "prompt", "instruction": "prompt",
+               "input": "prompt", "text": "prompt", "conversations": "messages", "conversation": "messages",
+               "chat": "messages", "dialog": "messages", "image": "images", "functions": "tools",
+               "meta": "metadata", "info": "metadata", "extra_info": "metadata"}
 
 
 @dataclass(kw_only=True)
@@ -110,37 +122,79 @@ def _check_metadata(metadata: object, where: str) -> dict | None:
     return metadata
 
 
-def load_prompt_rows(path: str | Path) -> list[PromptRow]:
-    """Read and validate every row of a .jsonl or .parquet prompt file."""
+def load_prompt_rows(path: str | Path, *, max_rows: int | None = None) -> list[PromptRow]:
+    """Read and validate every row (or the first `max_rows`) of a .jsonl or .parquet prompt file;
+    warns once per key that is not a row key (ROW_KEYS) and is therefore ignored."""
     path = Path(path)
     if path.suffix == ".jsonl":
-        rows = _load_jsonl(path)
+        records = _read_jsonl(path)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        records = pq.read_table(path).to_pylist()
-        rows = [parse_prompt_row(record, f"{path}:row {index}") for index, record in enumerate(records)]
+        records = _read_parquet(path)
     else:
         raise ValueError(f"prompt file {path} has suffix {path.suffix!r}; use .jsonl or .parquet")
+    rows, unknown_keys = [], UnknownKeys()
+    try:
+        for where, record in records:
+            unknown_keys.note(record, where)
+            rows.append(parse_prompt_row(record, where))
+            if len(rows) == max_rows:
+                break
+    finally:  # also before a bad row's error: an unknown key may be the row's mistake
+        unknown_keys.warn()
     if not rows:
         raise ValueError(f"prompt file {path} has no rows")
     logger.info("loaded %d prompt rows from %s", len(rows), path)
     return rows
 
 
-def _load_jsonl(path: Path) -> list[PromptRow]:
-    rows = []
-    with open(path) as f:
+def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
+    """("file:line", decoded record) per non-blank line; bytes, so a bad encoding names its line too."""
+    with open(path, "rb") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error}); each line must be one JSON object") from None
-            rows.append(parse_prompt_row(record, where))
-    return rows
+                yield where, json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{where}: not valid JSON ({error}); each line must be one UTF-8 JSON "
+                                 f"object") from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, object]]:
+    """("file:row N", record) per row, N from 0, a record batch at a time."""
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            yield f"{path}:row {index}", record
+            index += 1
+
+
+class UnknownKeys:
+    """Row keys that are not in ROW_KEYS: where each first appears and in how many rows."""
+
+    def __init__(self):
+        self.first_seen: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def note(self, record: object, where: str) -> None:
+        if not isinstance(record, dict):
+            return  # parse_prompt_row refuses it
+        for key in record.keys() - ROW_KEYS:
+            self.first_seen.setdefault(key, where)
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def warn(self) -> None:
+        for key, where in self.first_seen.items():
+            logger.warning("%s: key %r (in %d row(s)) is not a prompt-row key and is ignored%s; row keys are %s",
+                           where, key, self.counts[key], _suggest_key(key), ", ".join(ROW_KEYS))
+
+
+def _suggest_key(key: str) -> str:
+    closest = KEY_ALIASES.get(key.lower()) or (difflib.get_close_matches(key.lower(), ROW_KEYS, n=1) or [None])[0]
+    return f" (did you mean {closest!r}?)" if closest else ""
 
 
 class PromptDataset(Dataset):
@@ -206,14 +260,16 @@ def build_prompt_loader(
     shuffle: bool,
     seed: int,
     drop_last: bool = True,
+    rows: list[PromptRow] | None = None,
 ) -> StatefulDataLoader:
     """A resumable loader of `batch_size`-row lists; one pass over it is one epoch.
 
     Its state_dict (epoch and position) goes into checkpoints, so a resumed run neither repeats
     nor skips a prompt and sees the same order as an uninterrupted one. The caller starts the
-    next epoch by iterating the loader again.
+    next epoch by iterating the loader again. `rows`: the file's rows when already read (molt.train
+    reads them before the job starts); None reads `path`.
     """
-    dataset = PromptDataset(load_prompt_rows(path))
+    dataset = PromptDataset(load_prompt_rows(path) if rows is None else rows)
     if drop_last and len(dataset) < batch_size:
         raise ValueError(
             f"prompt file {path} has {len(dataset)} rows, fewer than batch_size={batch_size}; "

@@ -21,6 +21,7 @@ from molt.placement import Placement, count_per_node, describe_launcher, place_r
 
 GIB = 2**30
 ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.")  # routed experts; a shared expert is dense compute
+PROMPT_SAMPLE_ROWS = 1000  # prompt rows --dry-run validates (the job validates every row)
 
 
 @dataclass(frozen=True)
@@ -284,11 +285,26 @@ def _size(num_bytes: float) -> str:
 
 
 def describe_files(cfg: MoltConfig) -> Iterator[str]:
-    yield "files the run reads (--dry-run only reports them):"
+    yield f"files the run reads (--dry-run reports them and checks the first {PROMPT_SAMPLE_ROWS:,} prompt rows):"
     for name, path, needed in (("model.path", cfg.model.path, Path(cfg.model.path, "config.json")),
                                ("data.train_path", cfg.data.train_path, Path(cfg.data.train_path)),
                                ("agent.path", cfg.agent.path, Path(cfg.agent.path))):
         yield f"  {name}={path!r}: {'present' if needed.is_file() else 'not on this machine'}"
+    yield from describe_prompt_sample(cfg)
+
+
+def describe_prompt_sample(cfg: MoltConfig) -> Iterator[str]:
+    """The prompt file's first rows, validated as the job validates every row before it starts."""
+    from molt.dataset import load_prompt_rows
+
+    if not Path(cfg.data.train_path).is_file():
+        return
+    try:
+        rows = load_prompt_rows(cfg.data.train_path, max_rows=PROMPT_SAMPLE_ROWS)
+    except ValueError as error:
+        raise ConfigError(f"data.train_path: {error}") from None
+    yield (f"  data.train_path: the first {len(rows):,} row(s) are valid prompt rows (the job checks every row "
+           f"before it starts)")
 
 
 def describe_context_parallel(cfg: MoltConfig) -> Iterator[str]:

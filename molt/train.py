@@ -23,6 +23,8 @@ from molt.metrics import configure_logging
 if TYPE_CHECKING:
     import torch
 
+    from molt.dataset import PromptRow
+
 logger = logging.getLogger("molt")
 
 CONTROLLER_KEY = "molt/controller_address"
@@ -250,16 +252,42 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("molt.train must run under torchrun (or srun); e.g. "
                      "torchrun --nproc_per_node=%d -m molt.train --config %s", cfg.world_size, args.config)
         return 2
+    prompt_rows = None
+    if rank == 0:  # the controller's rank reads the prompts; other ranks wait in the rendezvous meanwhile
+        try:
+            prompt_rows = read_prompt_rows(cfg)
+        except ConfigError as error:
+            logger.error("%s", error)
+            return 2
     from molt.placement import PlacementError
+    from molt.trainer import RolloutsFailedError
 
     try:
-        return run(cfg, rank, world_size)
+        return run(cfg, rank, world_size, prompt_rows=prompt_rows)
     except PlacementError as error:  # every rank raises the same one
         if rank == 0:
             logger.error("%s", error)
         else:
             logger.error("the processes do not match the layout's placement; rank 0 logs how")
         return 2
+    except RolloutsFailedError:  # rank 0 logged why; every rank stopped in order, the engines first
+        return 1
+
+
+def read_prompt_rows(cfg: MoltConfig) -> list[PromptRow]:
+    """Every row of data.train_path, validated before the process group, the models or the engines
+    start (molt.dataset); the controller's loader takes them, so the file is read once. A bad row, or
+    fewer rows than one step takes, is a ConfigError naming the file, line or field."""
+    from molt.dataset import load_prompt_rows
+
+    try:
+        rows = load_prompt_rows(cfg.data.train_path)
+    except ValueError as error:
+        raise ConfigError(f"data.train_path: {error}") from None
+    if len(rows) < cfg.rollout.prompts_per_step:
+        raise ConfigError(f"data.train_path={cfg.data.train_path!r} has {len(rows)} rows, fewer than "
+                          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: lower it or add rows")
+    return rows
 
 
 def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict) -> None:
@@ -278,7 +306,7 @@ def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict) -> None:
         environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[gpu] for gpu in gpus)
 
 
-def run(cfg: MoltConfig, rank: int, world_size: int) -> int:
+def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[PromptRow] | None = None) -> int:
     import torch
     import torch.distributed as dist
 

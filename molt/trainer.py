@@ -12,11 +12,14 @@ import torch
 import torch.distributed as dist
 
 from molt.actor import Actor, build_actor_model, choose_layout
-from molt.batch import assign_to_ranks, build_windows, count_window_micro_batches
-from molt.checkpoint import (checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id, resolve_resume,
-                             save_checkpoint)
+from molt.batch import build_windows, share_step_batch
+from molt.checkpoint import (STOP_REQUEST, checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id,
+                             resolve_resume, save_checkpoint)
 from molt.config import MoltConfig
-from molt.controller import RolloutController, StepRollouts, compute_staleness
+from molt.console import StepProgress
+from molt.controller import (ROLLOUT_RANK_STOP_SECONDS, FailedStepStreak, RolloutController, StepRollouts,
+                             compute_staleness)
+from molt.dataset import PromptRow
 from molt.experience import Experience
 from molt.learner import BatchInfo, Learner, optimizer_settings
 from molt.metrics import MetricsLogger, StageTimer, process_resources
@@ -35,12 +38,18 @@ class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm; the message names the step."""
 
 
+class RolloutsFailedError(RuntimeError):
+    """Every rollout of agent.max_failed_steps consecutive steps failed; raised on every trainer rank
+    after the rollout ranks have stopped, so the job ends cleanly (molt.train exits 1)."""
+
+
 class Trainer:
     def __init__(self, cfg: MoltConfig, *, rank: int, group: dist.ProcessGroup, mesh: TrainerMesh,
-                 device: torch.device, host: str, controller_address: str, router: Router | None,
-                 rollout_ranks: list[int]):
+                 device: torch.device, host: str, controller_address: ControllerAddress, router: Router | None,
+                 rollout_ranks: list[int], prompt_rows: list[PromptRow] | None = None):
         """`group`: all trainer ranks (control broadcasts, checkpoints, refit gathers); `mesh`: the
-        trainer mesh (molt.parallelize.build_trainer_mesh), whose dp_group sums the data."""
+        trainer mesh (molt.parallelize.build_trainer_mesh), whose dp_group sums the data;
+        `prompt_rows`: data.train_path's rows when already read (rank 0; None reads the file)."""
         self.cfg = cfg
         self.rank = rank
         self.group = group
@@ -67,7 +76,8 @@ class Trainer:
                                       timeout_seconds=cfg.payloads.fetch_timeout_seconds)
         self.router = router
         self.controller_address = controller_address
-        self.controller = RolloutController(cfg, router, rollout_ranks) if self.is_controller else None
+        self.controller = (RolloutController(cfg, router, rollout_ranks, prompt_rows=prompt_rows)
+                           if self.is_controller else None)
         self.rollout_ranks = rollout_ranks
         self.timer = StageTimer()
         self.resume_path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir)
@@ -269,14 +279,11 @@ class Trainer:
         tensor-parallel group get the same share), plus what every rank needs to compute advantages
         over the whole batch (each rollout counted once)."""
         experiences = [e for group in rollouts.groups for e in group]
-        shares = assign_to_ranks(experiences, self.dp_size)
+        shares, micro_batch_counts = share_step_batch(
+            experiences, num_ranks=self.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
+            max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch, layout=self.micro_batch_layout)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences])
-        counts = [count_window_micro_batches([experiences[i] for i in share],
-                                             num_windows=self.cfg.train.mini_batches_per_step,
-                                             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
-                                             layout=self.micro_batch_layout) for share in shares]
-        micro_batch_counts = [max(1, *column) for column in zip(*counts)]  # per window, the busiest rank's
         for rank in range(1, self.num_trainer_ranks):
             share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
             self.router.send(f"trainer-{rank}", {

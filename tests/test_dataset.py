@@ -1,4 +1,9 @@
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,6 +13,7 @@ from fixtures_models import load_tool
 from molt.dataset import PromptRow, build_prompt_loader, load_prompt_rows
 
 make_demo_data = load_tool("make_demo_data")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_jsonl(path, records):
@@ -149,3 +155,78 @@ def test_loader_resumes_at_an_epoch_boundary(demo_data_dir):
     resumed = build_prompt_loader(path, batch_size=8, shuffle=True, seed=7)
     resumed.load_state_dict(state)
     assert [batch_indices(resumed), batch_indices(resumed)] == next_epochs
+
+
+def warnings_of(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+
+
+def test_unknown_keys_warn_once_each_with_the_closest_key(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "1+1=", "answer": "2", "lable": "2"}] * 3
+                       + [{"prompt": "2+2=", "label": "4", "id": 7}])
+    with caplog.at_level("WARNING", logger="molt"):
+        rows = load_prompt_rows(path)
+    assert [row.label for row in rows] == ["", "", "", "4"]  # an unknown key is not read as the label
+    messages = sorted(warnings_of(caplog))
+    assert len(messages) == 3
+    assert messages[0].startswith(f"{path}:1: key 'answer' (in 3 row(s)) is not a prompt-row key and is ignored "
+                                  "(did you mean 'label'?)")
+    assert messages[1].startswith(f"{path}:1: key 'lable' (in 3 row(s))") and "did you mean 'label'?" in messages[1]
+    assert messages[2].startswith(f"{path}:4: key 'id' (in 1 row(s)) is not a prompt-row key and is ignored; "
+                                  "row keys are messages, prompt, label")
+
+
+def test_parquet_rows_are_checked_like_jsonl_rows(tmp_path, caplog):
+    records = [{"prompt": f"{i}+1=", "solution": str(i + 1), "metadata": {"a": i}} for i in range(5)]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(records), path)
+    with caplog.at_level("WARNING", logger="molt"):
+        assert len(load_prompt_rows(path)) == 5
+    assert warnings_of(caplog) == [f"{path}:row 0: key 'solution' (in 5 row(s)) is not a prompt-row key and is "
+                                   "ignored (did you mean 'label'?); row keys are messages, prompt, label, tools, "
+                                   "images, metadata"]
+    records[2]["prompt"] = None
+    pq.write_table(pa.Table.from_pylist(records), path)
+    with pytest.raises(ValueError, match=f"{path}:row 2: row has neither 'messages' nor 'prompt'"):
+        load_prompt_rows(path)
+
+
+def test_a_sample_stops_reading_at_max_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+1="}\n' * 3 + b'{"prompt": "\xff"}\n')
+    assert len(load_prompt_rows(path, max_rows=3)) == 3
+    with pytest.raises(ValueError, match=f"{path}:4: not valid JSON .*UTF-8"):
+        load_prompt_rows(path)
+
+
+def run_rank0(tmp_path, model_dir, data_path, *sets):
+    """molt.train as rank 0 of a 2-rank job whose other rank never comes: a rank 0 that reached
+    the process group would wait there until the timeout."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = [sys.executable, "-m", "molt.train", "--config", str(ROOT / "configs" / "demo.py"),
+               "--set", f"model.path={model_dir}", "--set", f"data.train_path={data_path}",
+               "--set", f"metrics.output_dir={tmp_path / 'run'}"]
+    for item in sets:
+        command += ["--set", item]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_job_refuses_bad_prompts_before_the_process_group_starts(tmp_path, tiny_model_dir):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(20)])
+    result = run_rank0(tmp_path, tiny_model_dir, path, "rollout.prompts_per_step=32")
+    assert result.returncode == 2, result.stderr
+    assert f"data.train_path='{path}' has 20 rows, fewer than rollout.prompts_per_step=32" in result.stderr
+
+    with open(path, "a") as f:
+        f.write('{"prompt": "9+9=", "label": {"value": 18}}\n')
+    result = run_rank0(tmp_path, tiny_model_dir, path)
+    assert result.returncode == 2, result.stderr
+    assert f"data.train_path: {path}:21: 'label' must be a string or number, got {{'value': 18}}" in result.stderr
+    assert "Traceback" not in result.stderr

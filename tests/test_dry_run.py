@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from molt.config import load_config
-from molt.dry_run import describe_placements
+from molt.config import ConfigError, load_config
+from molt.dry_run import PROMPT_SAMPLE_ROWS, describe_placements, dry_run_report
 from molt.placement import place_ranks
 from molt.train import trainer_group_timeout
 
@@ -197,3 +197,27 @@ def test_an_hsdp_layout_shows_its_replicas_and_shards(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "trainer mesh: DeviceMesh((dp_replicate=2, dp_shard=4)" in result.stdout
     assert "dp_replicate 2 x dp_shard 4 x tp 1, 8 data-parallel rank(s)" in result.stdout
+
+
+def demo_dry_run(tmp_path, model_dir, rows: list[str]) -> list[str]:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(row + "\n" for row in rows))
+    cfg = load_config(str(ROOT / "configs" / "demo.py"), [f"model.path={model_dir}", f"data.train_path={path}"])
+    return list(dry_run_report(cfg))
+
+
+def test_the_dry_run_checks_a_sample_of_the_prompt_rows(tmp_path, tiny_model_dir, caplog):
+    good = '{"prompt": "1+1=", "label": "2"}'
+    with caplog.at_level("WARNING", logger="molt"):
+        lines = demo_dry_run(tmp_path, tiny_model_dir, [good, '{"prompt": "1+2=", "answer": "3"}'])
+    assert "  data.train_path: the first 2 row(s) are valid prompt rows (the job checks every row before it starts)" \
+        in lines
+    path = tmp_path / "rows.jsonl"
+    (warning,) = [record.getMessage() for record in caplog.records if record.name == "molt"]
+    assert warning.startswith(f"{path}:2: key 'answer' (in 1 row(s)) is not a prompt-row key and is ignored "
+                              "(did you mean 'label'?)")
+    with pytest.raises(ConfigError, match=f"data.train_path: {path}:3: messages\\[0\\] has role 'robot'"):
+        demo_dry_run(tmp_path, tiny_model_dir, [good, "", '{"messages": [{"role": "robot", "content": "hi"}]}'])
+    # Past the sample the dry run reads nothing (the job reads every row before it starts).
+    lines = demo_dry_run(tmp_path, tiny_model_dir, [good] * PROMPT_SAMPLE_ROWS + ["not json"])
+    assert f"  data.train_path: the first {PROMPT_SAMPLE_ROWS:,} row(s) are valid prompt rows" in lines[-2]

@@ -3,10 +3,13 @@ against the real aiohttp server on the real vLLM engine, with the official SDKs 
 
 import asyncio
 import inspect
+import itertools
 import json
 import logging
+import pickle
 import socket
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import anthropic
@@ -300,6 +303,55 @@ def test_bodies_over_the_cap_get_413_before_tokenization(capped_endpoint):
     assert counting_engine.num_streams == 1 and counting_tokenizer.num_calls > 0
 
 
+# -- RELIABILITY 20: no route unpickles ---------------------------------------------------------
+
+
+class CreatesFile:
+    """Unpickling this runs open(path, "w"), which creates the file: proof that a load happened."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+PICKLE_CONTENT_TYPES = ["application/python-pickle", "application/x-python-pickle", "application/pickle",
+                        "application/octet-stream", "application/json", None]
+
+
+def test_a_crafted_pickle_is_refused_on_every_route_and_never_loaded(endpoint, tmp_path):
+    """Each route, by its own method and the other one, with the pickle's own content types and
+    others: 415 for a pickle content type, 400 for the rest (not JSON; a GET takes no body), 405
+    for the wrong method, and the payload never runs."""
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(CreatesFile(control)))  # the payload is live: loading it creates its file
+    assert control.exists()
+    session = endpoint.open_session(max_tokens=4)
+    try:
+        routes = {route: (f"{session.base_url}/{route}", method) for route, (method, _) in ROUTES.items()}
+        routes["health"] = (f"{endpoint.endpoint.url}/health", "GET")
+        for (route, (url, method)), protocol, content_type in itertools.product(
+                routes.items(), (0, pickle.HIGHEST_PROTOCOL), PICKLE_CONTENT_TYPES):
+            marker = tmp_path / "-".join([route, str(protocol), content_type or "none"]).replace("/", "_")
+            headers = {"Authorization": f"Bearer {session.api_key}"}
+            if content_type is not None:
+                headers["Content-Type"] = content_type
+            body = pickle.dumps(CreatesFile(marker), protocol=protocol)
+            with httpx.Client(timeout=60) as client:
+                response = client.request(method, url, headers=headers, content=body)
+                wrong_method = client.request("GET" if method == "POST" else "POST", url, headers=headers,
+                                              content=body)
+            status = 415 if content_type is not None and "pickle" in content_type else 400
+            shape = route if route in ROUTES else "models"  # /health answers in the OpenAI shape
+            assert_error_shape(response, shape, status, "invalid_request_error")
+            assert_error_shape(wrong_method, shape, 405, "invalid_request_error")
+            assert not marker.exists(), (route, protocol, content_type)
+        assert session.current is None, "a refused request reached the session"
+    finally:
+        endpoint.close_session(session)
+
+
 # -- RELIABILITY 23: bad requests get 400 and the session stays usable --------------------------
 
 
@@ -393,6 +445,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, endpoint
                 assert b"[DONE]" not in received and b'"finish_reason": "' not in received
                 if how == "reset":  # an abortive close: RST instead of FIN
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                closing_at = time.monotonic()  # before the close: the abort may land before close() returns
                 sock.close()
                 closed_at = time.monotonic()
                 # The engine is paused, so only an abort can end the request: wait for that event
@@ -405,7 +458,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, endpoint
                 engine.run(llm.resume_generation())
             assert drained, f"the engine request outlived its client by {drained_seconds:.2f} s"
             assert len(aborts) == 1 and aborts[0][1] == 1, aborts
-            assert aborts[0][0] >= closed_at  # aborted because the client went away
+            assert aborts[0][0] >= closing_at  # aborted because the client went away
             break
     finally:
         del llm.abort

@@ -210,7 +210,7 @@ def test_every_rank_refuses_the_same_overlap():
 def test_a_refused_placement_ends_the_job_with_status_2(monkeypatch, caplog, tiny_model_dir, demo_data_dir):
     import molt.train
 
-    def refuse(cfg, rank, world_size):
+    def refuse(cfg, rank, world_size, prompt_rows=None):
         raise PlacementError("the launched processes do not match the layout's placement: rank 1 ...")
 
     monkeypatch.setattr(molt.train, "run", refuse)

@@ -5,7 +5,8 @@ Routes live under `/s/<session_id>`: `POST /v1/chat/completions` and `POST /v1/r
 (OpenAI), `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic), `GET
 /v1/models`; plus `GET /health`. Every session has its own key (Bearer token
 or `x-api-key`), compared in constant time; an unknown, ended or wrong key gets 401. Bodies over
-the cap get 413 before they are parsed. There are no control routes on this listener.
+the cap get 413 before they are parsed; only JSON is parsed (a pickle content type gets 415, a body
+on a GET route 400). There are no control routes on this listener.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class SessionEndpoint:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, _refuse_foreign_bodies])
         app.router.add_get("/health", self._health)
         app.router.add_post("/s/{session_id}/v1/chat/completions", self._with_session(handle_chat_completions))
         app.router.add_post("/s/{session_id}/v1/messages", self._with_session(handle_messages))
@@ -145,6 +146,20 @@ class SessionEndpoint:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+
+
+@web.middleware
+async def _refuse_foreign_bodies(request: web.Request, handler):
+    """No route parses anything but a JSON body (RELIABILITY 20): a body labelled as a pickle gets
+    415 and a body sent to a GET route (which reads none) 400, before any handler or session sees
+    it. Other bodies reach the routes' JSON parser, which refuses what is not JSON."""
+    if request.match_info.http_exception is None:  # a route matched; else the 404 or 405
+        if "pickle" in request.content_type:
+            return _error_for(request, 415, f"Content-Type {request.content_type!r} is not accepted; send "
+                                            f"application/json")
+        if request.method in ("GET", "HEAD") and request.body_exists:
+            return _error_for(request, 400, f"{request.method} {request.path} takes no request body")
+    return await handler(request)
 
 
 def _presented_key(request: web.Request) -> str:
