@@ -20,6 +20,9 @@ Each run has an id, kept by a run that resumes it. A fresh start refuses a direc
 checkpoints (`check_fresh_start`), and rotation removes only the run's own, so a new run never
 deletes its new checkpoints in favour of an old run's higher steps, nor leaves those for
 `resume=auto` to load.
+
+A stop request (SIGUSR1, as Slurm sends it ahead of a time limit with `--signal`) makes the
+trainer write a checkpoint at the next step boundary and exit 0 (`StopRequest`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import uuid
 from pathlib import Path
 
@@ -101,6 +105,30 @@ def check_fresh_start(root: str | Path, *, overwrite: bool, rank: int) -> None:
         for path in Path(root).iterdir():
             if STEP_PATTERN.fullmatch(path.name) or PARTIAL_PATTERN.fullmatch(path.name):
                 shutil.rmtree(path)
+
+
+class StopRequest:
+    """SIGUSR1 sets a flag the trainer reads at each step boundary: it then writes a checkpoint and
+    stops, so a job Slurm signals ahead of its end (`--signal=USR1@<seconds>`) can be requeued and
+    resume. The handler only sets the flag; nothing stops mid-step. SIGTERM keeps its meaning, stop
+    now: torchrun sends it to every rank when one fails (and SIGKILL 30 s later), and also to the
+    rollout ranks, whose engines the last step would need."""
+
+    def __init__(self):
+        self.signal_name = ""
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._handle)
+
+    def _handle(self, number: int, frame) -> None:
+        self.signal_name = signal.Signals(number).name
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signal_name)
+
+
+STOP_REQUEST = StopRequest()  # one per process: signal handlers are process-wide
 
 
 def read_wandb_run_id(path: Path | None) -> str | None:

@@ -100,8 +100,11 @@ class RolloutService:
         payloads = self.cfg.payloads
         self.payloads = PayloadStore(default_node_id(payloads.node_id), host=self.host,
                                      budget_bytes=int(payloads.budget_megabytes * 2**20),
-                                     spill_dir=payloads.spill_dir or None)
-        self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + self.rank)
+                                     spill_dir=payloads.spill_dir or None, inline_bytes=payloads.inline_bytes)
+        # Seeded by engine index, not global rank: a run resumed on another trainer world size samples
+        # as the uninterrupted run would.
+        engine_index = self.rank - self.cfg.layout.num_trainer_ranks
+        self.engine = RolloutEngine.start(self.cfg, seed=self.cfg.seed + engine_index)
         if kind == "chat":
             for problem in find_prefix_breaks(self.engine.tokenizer):
                 logger.warning("chat template is not prefix-preserving: %s; such turns open a new segment "

@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -310,6 +311,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     import torch
     import torch.distributed as dist
 
+    from molt.checkpoint import STOP_REQUEST
     from molt.parallelize import build_trainer_mesh
     from molt.placement import check_placement, node_gpu_ids
     from molt.rollout import run_rollout_rank
@@ -319,6 +321,10 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     num_trainers = cfg.layout.num_trainer_ranks
     is_trainer = rank < num_trainers
+    if is_trainer:
+        STOP_REQUEST.install()  # SIGUSR1: a checkpoint at the next step boundary, then exit 0
+    else:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by its engine and agent workers
     node_gpus = node_gpu_ids(os.environ, cfg.layout.gpus_per_node)  # before a rollout rank pins its own
     if not is_trainer:
         pin_engine_gpus(cfg, rank, os.environ)  # before anything in this process touches CUDA

@@ -124,18 +124,23 @@ class Trainer:
             check_metrics = {**pending_check, **(self.check_refit() if self.refit_check_due(step) else {})}
             pending_check = {}
             step_seconds = time.perf_counter() - started
-            self.metrics.log(step, {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
-                                    **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
-                                    "refit/failed_attempts": float(self.refit_failures),
-                                    "train/skipped_nonfinite_steps": float(self.skipped_nonfinite_steps),
-                                    "policy_version": float(self.policy_version),
-                                    **process_resources("trainer_rank0"),
-                                    "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds})
+            step_metrics = {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
+                            **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
+                            "refit/failed_attempts": float(self.refit_failures),
+                            "train/skipped_nonfinite_steps": float(self.skipped_nonfinite_steps),
+                            "policy_version": float(self.policy_version),
+                            **process_resources("trainer_rank0"),
+                            "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds}
+            self.metrics.log(step, step_metrics)
+            self.progress.update(step, step_metrics)
             self.stop_after_nonfinite_streak(step)
             interval = self.cfg.checkpoint.interval_steps
-            if interval and step % interval == 0:
+            stopping = self.stop_requested(step)
+            if (interval and step % interval == 0) or stopping:
                 with self.timer.stage("checkpoint"):  # shows in the next step's metrics
                     self.save_checkpoint(step)
+            if stopping:
+                break
         self.shutdown()
 
     def count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
@@ -184,6 +189,19 @@ class Trainer:
             self.controller.load_state_dict(state["controller"])
         logger.info("resumed from %s: step %d, policy version %d", self.resume_path, state["step"], self.policy_version)
         return state["step"]
+
+    def stop_requested(self, step: int) -> bool:
+        """Whether any trainer rank got a stop signal (molt.checkpoint.StopRequest); one tiny
+        all-reduce, so every rank stops after the same step."""
+        flag = torch.tensor([int(STOP_REQUEST.requested)], device=self.device)
+        if self.num_trainer_ranks > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            return False
+        if self.is_controller:
+            logger.warning("step %d: stop requested (%s); writing a checkpoint and exiting, resume with "
+                           "checkpoint.resume=auto", step, STOP_REQUEST.signal_name or "on another trainer rank")
+        return True
 
     def save_checkpoint(self, step: int) -> None:
         state = None

@@ -166,14 +166,29 @@ def _run_script(script: Path, args: list[str], slurm: dict[str, str], tmp_path: 
                 hosts: str = "node01 node02") -> subprocess.CompletedProcess:
     """Run an sbatch script as the batch step would, with stub `scontrol` (the allocation is `hosts`)
     and `srun` that record what the script asked for: arguments, rendezvous, host file."""
+    env = _script_env(slurm, tmp_path, hosts)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+
+
+def _script_env(slurm: dict[str, str], tmp_path: Path, hosts: str = "node01 node02") -> dict[str, str]:
+    """The batch step's environment, with the stubs first on PATH. `scontrol requeue` is recorded in
+    scontrol.calls; with STUB_SRUN_WAIT set, srun runs until SIGUSR1, records it in srun.signal and
+    exits STUB_SRUN_EXIT."""
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
-    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "%s\\n" $STUB_HOSTS\n')
+    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "%s\\n" $STUB_HOSTS\n'
+                                    '[ "$1" = requeue ] && echo "$*" >> "$STUB_DIR/scontrol.calls"\nexit 0\n')
     (stubs / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STUB_DIR/srun.args"\n'
                                 'echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"\n'
                                 'echo "${SLURM_NTASKS_PER_NODE:-unset}" > "$STUB_DIR/srun.ntasks_per_node"\n'
                                 'if [ -n "${SLURM_HOSTFILE:-}" ]; then\n'
                                 '  cp "$SLURM_HOSTFILE" "$STUB_DIR/srun.hosts"\n'
+                                'fi\n'
+                                'if [ -n "${STUB_SRUN_WAIT:-}" ]; then\n'
+                                '  trap \'echo USR1 > "$STUB_DIR/srun.signal"; exit "$STUB_SRUN_EXIT"\' USR1\n'
+                                '  touch "$STUB_DIR/srun.started"\n'
+                                '  while :; do sleep 0.05; done\n'
                                 'fi\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
@@ -182,8 +197,7 @@ def _run_script(script: Path, args: list[str], slurm: dict[str, str], tmp_path: 
     env.update(PATH=f"{stubs}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, STUB_DIR=str(tmp_path),
                STUB_HOSTS=hosts, TMPDIR=str(tmp_path), MOLT_CHECKPOINTS=str(tmp_path / "absent"),
                SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]", **slurm)
-    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=120)
+    return env
 
 
 def test_the_torchrun_script_splits_the_recipes_ranks_over_the_nodes(tmp_path):
@@ -216,6 +230,53 @@ def test_the_torchrun_script_takes_the_placements_nodes_and_refuses_uneven_ones(
     assert done.returncode == 2
     assert "which torchrun cannot start; submit launch/slurm_srun.sbatch with --nodes=24" in done.stderr
     assert not (tmp_path / "srun.args").exists()
+
+
+def test_the_torchrun_script_passes_sigusr1_on_and_requeues_after_a_clean_stop(tmp_path):
+    """Slurm's --signal=B:USR1@120 signals the batch shell only: the script passes SIGUSR1 to srun
+    (which signals the job step), waits for srun, and requeues the job when the step exited 0 (the
+    ranks wrote a checkpoint); a step that failed is not requeued."""
+    for srun_exit in (0, 1):
+        run_dir = tmp_path / f"exit{srun_exit}"
+        run_dir.mkdir()
+        env = {**_script_env({"SLURM_NNODES": "2"}, run_dir), "STUB_SRUN_WAIT": "1", "STUB_SRUN_EXIT": str(srun_exit)}
+        script = subprocess.Popen(["bash", str(SCRIPTS[0]), DEMO, "--set", "layout.num_rollout_ranks=3"], env=env,
+                                  cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (run_dir / "srun.started").exists():
+                assert script.poll() is None, script.communicate()
+                assert time.monotonic() < deadline, "the stub srun never started"
+                time.sleep(0.05)
+            script.send_signal(signal.SIGUSR1)
+            stdout, stderr = script.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(script.pid, signal.SIGKILL)  # the stub srun too, should the script have left it
+        assert script.returncode == srun_exit, stderr
+        assert (run_dir / "srun.signal").read_text().strip() == "USR1"
+        if srun_exit == 0:
+            assert (run_dir / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]
+            assert "stopped on SIGUSR1 after a checkpoint; requeueing job 4242" in stdout
+        else:
+            assert not (run_dir / "scontrol.calls").exists()
+
+
+def test_a_requeued_job_resumes_and_torchrun_ignores_sigusr1(tmp_path):
+    done = _run_script(SCRIPTS[0], [DEMO, "--set", "layout.num_rollout_ranks=3"],
+                       {"SLURM_NNODES": "2", "SLURM_RESTART_COUNT": "1"}, tmp_path)
+    assert done.returncode == 0, done.stderr
+    srun = (tmp_path / "srun.args").read_text().splitlines()
+    assert srun[-4:] == ["--set", "layout.num_rollout_ranks=3", "--set", "checkpoint.resume=auto"]
+    assert not (tmp_path / "scontrol.calls").exists()  # no signal: no requeue
+    # The step runs torchrun under a shell that ignores SIGUSR1; the ranks inherit that.
+    wrapper = srun[srun.index("bash"):srun.index(sys.executable)]
+    survive = "import os, signal; os.kill(os.getpid(), signal.SIGUSR1); print('alive')"
+    probe = subprocess.run([*wrapper, sys.executable, "-c", survive], capture_output=True, text=True, timeout=60)
+    assert (probe.returncode, probe.stdout.strip()) == (0, "alive"), probe.stderr
+    probe = subprocess.run([sys.executable, "-c", survive], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == -signal.SIGUSR1  # what torchrun's agent would do without the wrapper
 
 
 def test_the_srun_script_starts_one_task_per_rank(tmp_path):
