@@ -16,6 +16,7 @@ setup(
         "pyarrow",
         "matplotlib",
         "wandb",
+        "tqdm",
     ],
     extras_require={
         # The registry's CPU build of vLLM; it pins torch==2.13.0+cpu.

@@ -15,6 +15,8 @@ bash launch/run.sh "$RECIPE" --set metrics.output_dir="$OUT" "$@"
 import json, sys, time
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 rewards = [r["reward/mean"] for r in rows if r.get("step", 0) >= 1 and r.get("reward/mean") is not None]
+if not rewards:
+    sys.exit("[demo] no step had a reward (every rollout failed?): see rollout/failed_* in " + sys.argv[1])
 first, last = rewards[:10], rewards[-10:]
 mean = lambda xs: sum(xs) / len(xs)
 print(f"[demo] {len(rewards)} steps in {time.time() - float(sys.argv[2]):.0f}s (after set-up); "

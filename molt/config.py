@@ -96,6 +96,9 @@ class AgentConfig(ConfigSection):
     """What a failed rollout does to its group: drop_group (drop the whole group) | refill (re-run it)."""
     max_refills_per_group: int = 2
     """refill only: replacement rollouts one group may get; a group needing more is dropped."""
+    max_failed_steps: int = 3
+    """Consecutive steps in which every rollout failed before the job stops, naming the most common
+    failure and an example, instead of training on nothing (0 = never stop)."""
     max_concurrent_rollouts: int = 256
     """Rollouts one rollout rank runs at a time, over all its agent workers (the rank holds the rest
     back and hands each to the worker with the fewest in flight)."""
@@ -614,6 +617,8 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"agent.on_failed_rollout={cfg.agent.on_failed_rollout!r}: use drop_group or refill")
     check(cfg.agent.max_refills_per_group >= 0,
           f"agent.max_refills_per_group={cfg.agent.max_refills_per_group}: must be >= 0 (0 never refills)")
+    check(cfg.agent.max_failed_steps >= 0,
+          f"agent.max_failed_steps={cfg.agent.max_failed_steps}: must be >= 0 (0 never stops the job)")
     check(rollout.prompts_per_step >= 1, f"rollout.prompts_per_step={rollout.prompts_per_step}: need at least 1")
     check(rollout.n_samples_per_prompt >= 1,
           f"rollout.n_samples_per_prompt={rollout.n_samples_per_prompt}: need at least 1")

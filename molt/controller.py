@@ -35,6 +35,7 @@ from collections.abc import Callable, Collection
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
+from molt.console import HEARTBEAT_SECONDS, Heartbeat
 from molt.dataset import PromptRow, build_prompt_loader
 from molt.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.experience import Experience
@@ -51,6 +52,8 @@ DROP_REASONS = ("failed",  # it failed (refilled or not)
                 "filtered",  # its group carried no signal (algorithm.filter_groups)
                 "stale")  # its group would have been trained beyond algorithm.max_staleness
 # Running totals the engines report (rank metrics '<name>_total'); each step logs its growth as '<name>':
+ROLLOUT_RANK_STOP_SECONDS = 60.0  # longest wait at the end for the rollout ranks to stop their engines
+MAX_EXAMPLE_CHARACTERS = 500  # of a failed rollout's error quoted when the job stops for failed steps
 ENGINE_COUNTERS = ("rollout/prompt_tokens",  # prompt tokens submitted to the engines
                    "rollout/prefill_tokens")  # ... of which computed (not vLLM prefix-cache hits)
 
@@ -69,6 +72,7 @@ class StepRollouts:
 
     groups: list[list[Experience]]  # each inner list: every segment of every rollout of one prompt
     failures: Counter = field(default_factory=Counter)  # failed rollouts by reason
+    failure_examples: dict[str, str] = field(default_factory=dict)  # reason -> the first such rollout's error
     dropped_groups: int = 0  # groups dropped for a failed rollout
     refilled_rollouts: int = 0  # replacement rollouts dispatched for failed ones (agent.on_failed_rollout='refill')
     num_rollouts: int = 0  # rollouts run, refills included
@@ -90,6 +94,8 @@ class StepRollouts:
         """Add later groups of the same step: they go after these (dispatch order), counts add up."""
         self.groups += later.groups
         self.failures.update(later.failures)
+        for reason, example in later.failure_examples.items():
+            self.failure_examples.setdefault(reason, example)
         self.dropped_groups += later.dropped_groups
         self.refilled_rollouts += later.refilled_rollouts
         self.num_rollouts += later.num_rollouts
@@ -169,6 +175,8 @@ class RolloutController:
         self.rank_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its latest store, process, engine metrics
         self._engine_totals: dict[str, float] = {}  # ENGINE_COUNTERS summed over the ranks at the last step
         self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
+        self.heartbeat_seconds = HEARTBEAT_SECONDS  # how often a long wait says what it waits for
+        self._started: dict[int, tuple[float, int]] = {}  # rollout id -> (monotonic dispatch time, rollout rank)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -185,20 +193,26 @@ class RolloutController:
         return received
 
     def receive_replies(self, message_type: str, count: int, deadline: float, what: str,
-                        match: Callable[[dict], bool] | None = None) -> list[dict]:
+                        match: Callable[[dict], bool] | None = None, heartbeat: Heartbeat | None = None,
+                        status: Callable[[], str] | None = None) -> list[dict]:
         """Up to `count` messages of one type, those that arrive by `deadline`; an error report
         raises. Messages of that type `match` rejects are stale replies (to an attempt given up on)
-        and are dropped; other types wait in the backlog for the call that wants them."""
+        and are dropped; other types wait in the backlog for the call that wants them. A long wait
+        says what it waits for every heartbeat interval (`status`, or the replies counted so far)."""
         def stale(message: dict) -> bool:
             return message["type"] == message_type and match is not None and not match(message)
 
         received = [m for _, m in self._backlog if m["type"] == message_type and not stale(m)][:count]
         self._backlog = [(i, m) for i, m in self._backlog if not stale(m) and not any(m is r for r in received)]
+        heartbeat = heartbeat or Heartbeat(self.heartbeat_seconds)
         while len(received) < count:
             try:
-                identity, message = self.router.receive_until(deadline)
+                identity, message = self.router.receive_until(min(deadline, heartbeat.due_at))
             except TimeoutError:
-                break
+                if time.monotonic() >= deadline:
+                    break
+                heartbeat.beat(status() if status else f"waiting for {what}: {len(received)} of {count} replies")
+                continue
             if message["type"] in ("failed", "error"):
                 raise RolloutRankError(f"{what}: {identity} reported {message.get('during', 'start-up')} failure: "
                                        f"{message['error']}")
@@ -279,13 +293,16 @@ class RolloutController:
         max_released = target + (algo.max_backfill_prompts if algo.filter_groups else 0)
         self.top_up(policy_version, policy_version + 1 if step is None else step)
         result, released = StepRollouts(groups=[], trained_version=policy_version), 0
+        heartbeat = Heartbeat(self.heartbeat_seconds)
+        def status() -> str:
+            return self.describe_wait(step, len(result.groups), target)
         while len(result.groups) < target and released < max_released:
             if not self._queue:  # nothing dispatched left: a backfill round
                 self.dispatch_groups(self.next_prompts(min(target - len(result.groups), max_released - released)),
                                      policy_version)
             group = self._queue[0]
             while group.pending:
-                self.receive_outcome(policy_version)
+                self.receive_outcome(policy_version, heartbeat, status)
             self._queue.popleft()
             result.merge(self.release(group, policy_version))
             released += 1
@@ -348,9 +365,22 @@ class RolloutController:
         rank = self.engine_router.place(request["rollout_id"], group.group_id, group.size,
                                         estimate_rollout_tokens(request))
         self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request})
+        self._started[request["rollout_id"]] = (time.monotonic(), rank)
         return request["rollout_id"]
 
-    def receive_outcome(self, policy_version: int) -> None:
+    def describe_wait(self, step: int | None, num_kept: int, target: int) -> str:
+        """What a step waiting for rollouts waits for (its heartbeat line)."""
+        in_flight = [group for group in self._queue if group.pending]
+        line = (f"step {step if step is not None else '?'} waits for rollouts: {num_kept} of {target} groups kept; "
+                f"queued groups: {len(self._queue) - len(in_flight)} complete, {len(in_flight)} in flight "
+                f"({len(self._started)} rollouts running")
+        if self._started:
+            rollout_id, (started, rank) = min(self._started.items(), key=lambda item: item[1][0])
+            line += f"; the oldest, rollout {rollout_id} on rollout rank {rank}, started {time.monotonic() - started:.0f} s ago"
+        return line + ")"
+
+    def receive_outcome(self, policy_version: int, heartbeat: Heartbeat | None = None,
+                        status: Callable[[], str] | None = None) -> None:
         """Take one rollout outcome into its group; a failed rollout is refilled (at the current
         version) or dooms its group, per agent.on_failed_rollout."""
         cfg = self.cfg
@@ -358,12 +388,16 @@ class RolloutController:
         # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
         what = f"rollouts ({self.num_in_flight} in flight)"
-        message = self.expect("outcome", 1, timeout, what)[0]
+        replies = self.receive_replies("outcome", 1, time.monotonic() + timeout, what, heartbeat=heartbeat, status=status)
+        if not replies:
+            raise TimeoutError(f"{what}: no outcome within {timeout:.0f}s; a rank may be stuck or dead")
+        message = replies[0]
         outcome = decode_outcome(message)
         self.token_values_received += sum(len(e.token_ids) + len(e.behavior_logprobs) for e in outcome.experiences)
         if "rank_metrics" in message:
             self.rank_metrics[message["rank"]] = message["rank_metrics"]
         group, request = self._requests.pop(outcome.rollout_id)
+        self._started.pop(outcome.rollout_id, None)
         self.engine_router.release(outcome.rollout_id)
         group.pending.discard(outcome.rollout_id)
         group.outcomes.append(outcome)
@@ -470,12 +504,60 @@ class RolloutController:
         replies = self.expect("scored", len(self.rollout_ranks), timeout_seconds, "refit check")
         return [r["logprobs"] for r in replies]
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_seconds: float = 0.0) -> None:
+        """Tell the rollout ranks to stop; with `wait_seconds`, wait that long for each to say it has
+        stopped its engine, so this rank, which the launcher waits for, is the last to exit."""
         if self._queue:
             logger.info("stopping with %d rollouts in flight (%d groups dispatched for steps past the last)",
                         self.num_in_flight, len(self._queue))
         self.send_to_rollout_ranks({"type": "shutdown"})
+        if wait_seconds > 0:
+            try:
+                stopped = self.receive_replies("stopped", len(self.rollout_ranks), time.monotonic() + wait_seconds,
+                                               "rollout ranks stopping")
+                if len(stopped) < len(self.rollout_ranks):
+                    logger.warning("%d of %d rollout ranks did not say they stopped within %.0f s",
+                                   len(self.rollout_ranks) - len(stopped), len(self.rollout_ranks), wait_seconds)
+            except RolloutRankError as error:
+                logger.warning("while stopping: %s", error)
         self.payloads.close()
+
+
+class FailedStepStreak:
+    """Counts consecutive steps in which every rollout failed (agent.max_failed_steps), with their
+    failures by reason and an example of each, so the job can stop saying why."""
+
+    def __init__(self, max_failed_steps: int):
+        self.max_failed_steps = max_failed_steps
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps, self.num_rollouts = 0, 0
+        self.failures: Counter = Counter()
+        self.examples: dict[str, str] = {}
+
+    def record(self, rollouts: StepRollouts) -> str | None:
+        """Add one step; once max_failed_steps steps in a row had only failed rollouts, what to tell
+        the user (the job must stop), else None. A step with one good rollout ends the streak."""
+        if not rollouts.num_rollouts or sum(rollouts.failures.values()) < rollouts.num_rollouts:
+            self.reset()
+            return None
+        self.num_steps += 1
+        self.num_rollouts += rollouts.num_rollouts
+        self.failures.update(rollouts.failures)
+        for reason, example in rollouts.failure_examples.items():
+            self.examples.setdefault(reason, example)
+        if not self.max_failed_steps or self.num_steps < self.max_failed_steps:
+            return None
+        (reason, count), *others = self.failures.most_common()
+        example = self.examples.get(reason, "")
+        if len(example) > MAX_EXAMPLE_CHARACTERS:
+            example = example[:MAX_EXAMPLE_CHARACTERS] + "..."
+        also = "; also " + ", ".join(f"{r} ({n})" for r, n in others) if others else ""
+        return (f"every rollout of the last {self.num_steps} steps failed ({self.num_rollouts} rollouts; "
+                f"agent.max_failed_steps={self.max_failed_steps}): most often '{reason}' ({count} rollouts), "
+                f"e.g. {example}{also}. Fix the agent (agent.path) or what it calls, or set "
+                f"agent.max_failed_steps=0 to train on regardless")
 
 
 def should_refill(num_refills: int, agent: AgentConfig) -> bool:
@@ -493,6 +575,7 @@ def gather_groups(outcomes: list[RolloutOutcome], group_sizes: dict[int, int]) -
         result.loop_lag_max_seconds = max(result.loop_lag_max_seconds, outcome.loop_lag_max_seconds)
         if outcome.failure:
             result.failures[outcome.failure] += 1
+            result.failure_examples.setdefault(outcome.failure, f"rollout {outcome.rollout_id}: {outcome.error}")
         else:
             by_group[outcome.group_id].append(outcome)
     for group_id, size in group_sizes.items():

@@ -236,7 +236,9 @@ class RolloutEngine:
     def shutdown(self) -> None:
         if self.llm is not None:
             llm, self.llm = self.llm, None
-            llm.shutdown()
+            # vLLM's default gives the engine core 5 s after SIGTERM, then kills it with a warning;
+            # on a loaded machine it needs longer to stop its workers.
+            llm.shutdown(timeout=ENGINE_SHUTDOWN_SECONDS)
             # vLLM's __del__ shuts down again, and where the AsyncLLM lives until interpreter exit
             # (modules half torn down) that second shutdown raises and prints a traceback; it has
             # nothing left to do, so it becomes a no-op.

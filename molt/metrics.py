@@ -1,4 +1,4 @@
-"""Metrics: one logger fans out to console, metrics.jsonl and W&B (DESIGN section 9)."""
+"""Metrics: one logger fans out to metrics.jsonl and W&B (DESIGN section 9); the console is molt.console."""
 
 from __future__ import annotations
 
@@ -17,14 +17,6 @@ logger = logging.getLogger("molt")
 WANDB_MODES = ("disabled", "offline", "online")
 WANDB_STEP_METRIC = "trainer/step"  # the x axis of every W&B chart
 
-# Metrics shown on the console progress line: key -> (label, format). Absent keys are skipped.
-PROGRESS_FIELDS = {
-    "reward/mean": ("reward", "{:.3f}"),
-    "throughput/tokens_per_second": ("tokens/s", "{:.0f}"),
-    "time/step_seconds": ("step", "{:.2f}s"),
-    "staleness/mean": ("staleness", "{:.2f}"),
-}
-
 
 def configure_logging(rank: int) -> None:
     """Send the "molt" logger to stderr at INFO, each line tagged with the rank; safe to repeat."""
@@ -40,7 +32,7 @@ def configure_logging(rank: int) -> None:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to `output_dir/metrics.jsonl`, W&B and one console line.
+    """Writes each step's metrics to `output_dir/metrics.jsonl` and W&B (molt.console shows progress).
 
     Only rank 0 logs: elsewhere build it with `enabled=False` and every method does nothing.
     """
@@ -111,7 +103,6 @@ class MetricsLogger:
             # after its checkpoint, and W&B drops any step below the last one it saw (see _start_wandb).
             self._wandb_run.log({**values, WANDB_STEP_METRIC: step}, step=self._wandb_step)
             self._wandb_step += 1
-        logger.info(self._format_progress(step, values))
 
     def close(self) -> None:
         """Finish the W&B run and close the JSONL file; safe to call twice."""
@@ -137,13 +128,6 @@ class MetricsLogger:
         if key not in self.nonfinite_counts:
             logger.warning("metric %s is %s at step %d; logged as null (warned once per key)", key, value, step)
         self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
-
-    def _format_progress(self, step: int, values: dict[str, float]) -> str:
-        parts = [f"step {step}/{self.total_steps}"]
-        for key, (label, fmt) in PROGRESS_FIELDS.items():
-            if key in values:
-                parts.append(f"{label} {fmt.format(values[key])}")
-        return " | ".join(parts)
 
 
 def _count_lines(path: Path) -> int:

@@ -93,7 +93,10 @@ class RolloutService:
                 await self.endpoint.stop()
             self.engine.shutdown()
             self.payloads.close()
-            self.socket.close(0)
+            # The controller waits for this before its rank exits (RolloutController.shutdown);
+            # the linger gives the message time to leave.
+            await self.send({"type": "stopped", "rank": self.rank})
+            self.socket.close(linger=2000)
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast

@@ -94,6 +94,8 @@ class Trainer:
         self.skipped_nonfinite_steps = 0  # steps whose loss or gradient norm was not finite
         self.nonfinite_streak = 0
         self.last_updated_step = 0  # the last step that changed the weights (0: none this run)
+        self.failed_steps = FailedStepStreak(cfg.agent.max_failed_steps)
+        self.progress = StepProgress(total_steps=cfg.train.num_steps, enabled=self.is_controller)
 
     def train(self) -> None:
         first_step = self.resume() + 1
@@ -105,6 +107,7 @@ class Trainer:
                 pending_check = self.check_refit()  # logged with the first resumed step
         elif self.cfg.refit.check_every_steps:  # engines and trainer start from the same weights
             self.metrics.log(0, self.check_refit())
+        self.progress.start(first_step)
         for step in range(first_step, self.cfg.train.num_steps + 1):
             started = time.perf_counter()
             with self.timer.stage("rollout"):
@@ -272,8 +275,13 @@ class Trainer:
         """This rank's experiences, the batch's rewards and groups, the micro-batch count of each
         optimizer window (the same on every rank), and metrics."""
         if self.is_controller:
-            return self.assemble_batch(self.controller.collect_step(self.policy_version, step=step))
+            rollouts = self.controller.collect_step(self.policy_version, step=step)
+            self.stop_for_failed_rollouts(step, rollouts)
+            return self.assemble_batch(rollouts)
         message = unpack(self.inbox.recv())
+        if message["type"] == "stop":
+            self.shutdown()
+            raise RolloutsFailedError(message["error"])
         experiences = self.reload([Experience.from_dict(e) for e in message["experiences"]])
         return experiences, BatchInfo(**message["info"]), message["micro_batch_counts"], {}
 

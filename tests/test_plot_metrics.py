@@ -62,3 +62,22 @@ def test_command_line_prints_the_default_output_path(tmp_path):
     out = Path(result.stdout.strip())
     assert out == tmp_path / "run" / "reward_mean.png"
     assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_nan_and_null_values_are_skipped_and_a_run_without_any_ends_without_a_traceback(tmp_path):
+    tool = load_tool()
+    run = tmp_path / "run"
+    run.mkdir()
+    jsonl = run / "metrics.jsonl"
+    # JSON has no NaN, but Python's json module writes and reads it; MetricsLogger writes null.
+    jsonl.write_text('{"step": 1, "reward/mean": NaN}\n{"step": 2, "reward/mean": null}\n{"step": 3, "reward/mean": 0.5}\n')
+    assert tool.read_metric(jsonl, "reward/mean") == ([3], [0.5])
+    assert Path(tool.plot_metrics(jsonl, tmp_path / "reward.png")).read_bytes().startswith(PNG_SIGNATURE)
+
+    # Every rollout of every step failed: no reward at all. The tool says so, exit status 1, no traceback.
+    jsonl.write_text('{"step": 1, "reward/mean": null, "rollout/failed": 16}\n{"step": 2, "reward/mean": NaN}\n')
+    result = subprocess.run([sys.executable, str(TOOL), str(jsonl)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "no finite values of 'reward/mean'" in result.stderr and "rollout/failed_*" in result.stderr
+    assert "no plot written" in result.stderr and not (run / "reward_mean.png").exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -20,7 +22,8 @@ ROLLING_WINDOW_STEPS = 10
 
 
 def read_metric(jsonl_path: str | Path, key: str) -> tuple[list[int], list[float]]:
-    """Return (steps, values) for `key`, sorted by step; null values are skipped.
+    """Return (steps, values) for `key`, sorted by step; null and non-finite values (a step with no
+    rollout to score logs reward/mean as null) are skipped. ValueError when none is left.
 
     A resumed run appends steps it already logged; the latest line for a step wins.
     """
@@ -32,10 +35,17 @@ def read_metric(jsonl_path: str | Path, key: str) -> tuple[list[int], list[float
         except json.JSONDecodeError:
             continue  # a run killed mid-write can leave a partial last line
         keys_seen.update(row)
-        if row.get(key) is not None:
+        if key not in row:
+            continue
+        if isinstance(row[key], (int, float)) and math.isfinite(row[key]):
             values_by_step[row["step"]] = row[key]
+        else:
+            values_by_step.pop(row["step"], None)
     if not values_by_step:
-        raise ValueError(f"no values of {key!r} in {jsonl_path}; keys present: {sorted(keys_seen - {'step'})}")
+        hint = (" (every step logged it as null or NaN; a step whose every rollout failed has no reward: see its "
+                "rollout/failed_* counts)" if key in keys_seen else "")
+        raise ValueError(f"no finite values of {key!r} in {jsonl_path}{hint}; keys present: "
+                         f"{sorted(keys_seen - {'step'})}")
     steps = sorted(values_by_step)
     return steps, [values_by_step[step] for step in steps]
 
@@ -74,7 +84,10 @@ def main() -> None:
     parser.add_argument("--out", help="PNG to write (default: beside the JSONL, named after the key)")
     args = parser.parse_args()
     out = args.out or Path(args.jsonl_path).with_name(args.key.replace("/", "_") + ".png")
-    print(plot_metrics(args.jsonl_path, out, key=args.key))
+    try:
+        print(plot_metrics(args.jsonl_path, out, key=args.key))
+    except (ValueError, OSError) as error:
+        sys.exit(f"plot_metrics: {error}; no plot written")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from molt.console import ToolProgress
+
 
 # The tool exactly as configs/agents/addition_tool_*.py declare it (it is part of the prompt).
 CALCULATOR_TOOL = {"type": "function", "function": {"name": "calculator", "description": "solve the question",
@@ -95,6 +97,7 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     started = time.perf_counter()
     loss_value = float("nan")
+    progress = ToolProgress(steps, desc=f"warm start ({task})")
     for _ in range(steps):
         input_ids, labels, attention_mask = pad_batch(rng.sample(examples, batch_size), tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
@@ -102,6 +105,8 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
         optimizer.step()
         optimizer.zero_grad()
         loss_value = loss.item()
+        progress.update(loss=loss_value)
+    progress.close()
     seconds = time.perf_counter() - started
     staging = Path(f"{out_dir}.partial")
     shutil.rmtree(staging, ignore_errors=True)
