@@ -42,11 +42,13 @@ def test_the_controller_socket_drops_crafted_pickles_and_keeps_serving(tmp_path)
         router.close()
 
 
-def _wait_for_refusals(router: Router, count: int, timeout_seconds: float = 60) -> None:
-    """Serve the router until it has refused `count` connections; nothing may arrive meanwhile."""
+def _wait_for_refusals(router: Router, count: int, timeout_seconds: float = 60, *, cut_off: int = 0) -> None:
+    """Serve the router until it has refused `count` connections and refused or cut off `count +
+    cut_off`; nothing may arrive meanwhile."""
     deadline = time.monotonic() + timeout_seconds
-    while router.num_refused < count:
-        assert time.monotonic() < deadline, f"refused {router.num_refused} connections, expected {count}"
+    while router.num_refused < count or router.num_refused + router.num_closed < count + cut_off:
+        assert time.monotonic() < deadline, (f"refused {router.num_refused} and cut off {router.num_closed} "
+                                             f"connections, expected {count} and {cut_off}")
         with pytest.raises(TimeoutError):
             router.receive(0.5)
 
@@ -68,7 +70,9 @@ def test_strangers_without_the_jobs_key_are_refused_and_the_controller_keeps_ser
             stranger.send(pack({"type": "shutdown"}))
         raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + pack({"type": "shutdown"}))
         with caplog.at_level(logging.WARNING, logger="molt"):
-            _wait_for_refusals(router, 3)
+            # The two ZeroMQ strangers fail the handshake; the raw socket is refused or cut off
+            # (libzmq reports either, depending on when its bytes arrive).
+            _wait_for_refusals(router, 2, cut_off=1)
             rank.send(pack({"type": "ready", "rank": 1}))
             assert router.receive(30) == ("rollout-1", {"type": "ready", "rank": 1})
             router.send("rollout-1", {"type": "rollout"})
