@@ -184,9 +184,11 @@ class RolloutController:
         for rank in self.rollout_ranks:
             self.router.send(f"rollout-{rank}", message)
 
-    def expect(self, message_type: str, count: int, timeout_seconds: float, what: str) -> list[dict]:
+    def expect(self, message_type: str, count: int, timeout_seconds: float, what: str,
+               heartbeat: Heartbeat | None = None, status: Callable[[], str] | None = None) -> list[dict]:
         """Wait for `count` messages of one type; an error report or the deadline raises."""
-        received = self.receive_replies(message_type, count, time.monotonic() + timeout_seconds, what)
+        received = self.receive_replies(message_type, count, time.monotonic() + timeout_seconds, what,
+                                        heartbeat=heartbeat, status=status)
         if len(received) < count:
             raise TimeoutError(f"{what}: got {len(received)} of {count} replies within {timeout_seconds:.0f}s; "
                                f"a rank may be stuck or dead")
@@ -388,10 +390,7 @@ class RolloutController:
         # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
         what = f"rollouts ({self.num_in_flight} in flight)"
-        replies = self.receive_replies("outcome", 1, time.monotonic() + timeout, what, heartbeat=heartbeat, status=status)
-        if not replies:
-            raise TimeoutError(f"{what}: no outcome within {timeout:.0f}s; a rank may be stuck or dead")
-        message = replies[0]
+        message = self.expect("outcome", 1, timeout, what, heartbeat=heartbeat, status=status)[0]
         outcome = decode_outcome(message)
         self.token_values_received += sum(len(e.token_ids) + len(e.behavior_logprobs) for e in outcome.experiences)
         if "rank_metrics" in message:
