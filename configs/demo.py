@@ -55,6 +55,16 @@ def two_trainers() -> MoltConfig:
     return cfg
 
 
+def moe() -> MoltConfig:
+    """The demo on the tiny Qwen3-MoE (2 layers of 4 experts, top 2), warm-started the same way (plus
+    the routers' load-balancing loss): `MOLT_DEMO_RECIPE=configs/demo.py:moe bash launch/demo.sh`.
+    The refit check runs every 50 steps as in the demo, so a refit that missed an expert shows."""
+    cfg = config()
+    cfg.name = "demo-moe"
+    cfg.model.path = str(cache_dir() / "demo" / "model-moe-warm")
+    return cfg  # streams like the demo: max_staleness 1, partial rollout, truncated token weights
+
+
 def multi_turn() -> MoltConfig:
     """The two-turn retry Env."""
     cfg = config()

@@ -21,3 +21,16 @@ if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-warm/warm_start.json"; then
   "$PYTHON" tools/warm_start.py --model "$DEMO/model" --data "$DEMO/data/train.jsonl" --out "$DEMO/model-warm" \
     --steps "$WARM_STEPS"
 fi
+# The MoE recipe (configs/demo.py:moe) starts from the tiny Qwen3-MoE, warm-started the same way;
+# generated only when that recipe runs (about 10 s on 2 cores).
+if [[ "${MOLT_DEMO_RECIPE:-}" == *:moe* ]]; then
+  if [ ! -f "$DEMO/model-moe/config.json" ]; then
+    "$PYTHON" tools/make_tiny_model.py "$DEMO/model-moe" --preset moe --seed 0
+  fi
+  if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-moe-warm/warm_start.json" \
+     || ! grep -qs '"load_balancing_loss": true' "$DEMO/model-moe-warm/warm_start.json"; then
+    echo "[demo] supervised warm start of the MoE model ($WARM_STEPS steps)"
+    "$PYTHON" tools/warm_start.py --model "$DEMO/model-moe" --data "$DEMO/data/train.jsonl" \
+      --out "$DEMO/model-moe-warm" --steps "$WARM_STEPS"
+  fi
+fi

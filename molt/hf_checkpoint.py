@@ -164,21 +164,55 @@ def read_into_shards(model: nn.Module, reads: list[TensorRead], key_files: dict[
 
 
 # A fused expert parameter's per-expert source keys, in the order they are concatenated on dim 1;
-# transformers' own conversion for Qwen2/Qwen3-MoE-style checkpoints (conversion_mapping.py).
+# transformers' own conversion for Qwen2/Qwen3-MoE-style checkpoints (conversion_mapping.py). The one
+# table for both directions: checkpoint -> fused at load, fused -> checkpoint names at refit.
 FUSED_EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def plan_expert_reads(name: str, shape: torch.Size, key_files: dict[str, Path]) -> list[TensorRead]:
+@dataclass(frozen=True)
+class ExpertPart:
+    """Checkpoint tensor `key` is rows `row_offset`.. (`rows` of them) of expert `expert` of a
+    fused [experts, rows, cols] expert parameter."""
+
+    key: str
+    expert: int
+    row_offset: int
+    rows: int
+
+    @property
+    def index(self) -> tuple[int, slice]:
+        """Where the part sits in the fused tensor: `fused[part.index]` is the checkpoint tensor."""
+        return self.expert, slice(self.row_offset, self.row_offset + self.rows)
+
+
+def split_fused_experts(name: str, shape: tuple[int, ...]) -> list[ExpertPart]:
     """For `<prefix>.experts.gate_up_proj` [experts, 2 x inter, hidden] (or `down_proj`), which
-    the checkpoint stores per expert as `<prefix>.experts.<e>.gate_proj.weight` and so on: one
-    read per expert and part. Empty if `name` is no such parameter or a key is absent."""
+    checkpoints (and vLLM's loaders) hold per expert as `<prefix>.experts.<e>.gate_proj.weight`
+    and so on: one part per expert and projection. Empty if `name` is no such parameter."""
     prefix, _, leaf = name.rpartition(".")
     if not prefix.endswith(".experts") or leaf not in FUSED_EXPERT_PARTS or len(shape) != 3:
         return []
     parts = FUSED_EXPERT_PARTS[leaf]
     rows = shape[1] // len(parts)
-    reads = [TensorRead(key=f"{prefix}.{expert}.{part}.weight", name=name, expert=expert, row_offset=i * rows)
-             for expert in range(shape[0]) for i, part in enumerate(parts)]
+    return [ExpertPart(key=f"{prefix}.{expert}.{part}.weight", expert=expert, row_offset=i * rows, rows=rows)
+            for expert in range(shape[0]) for i, part in enumerate(parts)]
+
+
+def checkpoint_entries(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple[int, ...]]]:
+    """(checkpoint key, index into the parameter, shape) for each tensor parameter `name` is stored
+    as in a checkpoint: itself (index ()) or, for a fused expert parameter, one per expert part.
+    What a refit sends, so that the engine loads the names it loaded from disk."""
+    parts = split_fused_experts(name, shape)
+    if not parts:
+        return [(name, (), tuple(shape))]
+    return [(part.key, part.index, (part.rows, shape[2])) for part in parts]
+
+
+def plan_expert_reads(name: str, shape: torch.Size, key_files: dict[str, Path]) -> list[TensorRead]:
+    """The reads of a fused expert parameter (`split_fused_experts`) from its per-expert keys.
+    Empty if `name` is no such parameter or a key is absent."""
+    reads = [TensorRead(key=part.key, name=name, expert=part.expert, row_offset=part.row_offset)
+             for part in split_fused_experts(name, shape)]
     return reads if all(read.key in key_files for read in reads) else []
 
 

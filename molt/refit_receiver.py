@@ -124,6 +124,7 @@ class RefitReceiver:
             self._molt_retie_embeddings()
             raise
         self._molt_retie_embeddings()
+        self._molt_prepack_cpu_experts()
         self._molt_intact = True  # all new
 
     def molt_weights_intact(self) -> bool:
@@ -149,6 +150,18 @@ class RefitReceiver:
         embeddings = model.model.embed_tokens
         lm_head.weight = embeddings.weight
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def _molt_prepack_cpu_experts(self) -> None:
+        """vLLM 0.32's in-place reload of an unquantized MoE layer skips the experts' own post-load
+        step on a weight update (UnquantizedFusedMoEMethod._setup_kernel runs it on the first load
+        only), and on CPU that step is the prepack into the blocked layout the CPU MoE kernel reads:
+        the new expert weights would stay in checkpoint layout. Run it for each CPU MoE layer. Should
+        vLLM start doing it itself, the MoE refit check (tests/test_moe_e2e.py) fails."""
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            weight = getattr(module, "w13_weight", None)
+            if kernel is not None and isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def molt_leave_refit_group(self) -> None:
         self._molt_group = None

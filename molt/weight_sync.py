@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from molt.config import ConfigError, MoltConfig
+from molt.hf_checkpoint import checkpoint_entries
 
 logger = logging.getLogger("molt")
 
@@ -63,7 +64,7 @@ class RefitSendError(RuntimeError):
 
 @dataclass(frozen=True)
 class BucketEntry:
-    name: str  # Hugging Face parameter name, as vLLM's load_weights expects
+    name: str  # Hugging Face checkpoint key, as vLLM's load_weights expects (per expert for MoE experts)
     dtype: str  # torch dtype name, e.g. 'float32'
     shape: tuple[int, ...]
 
@@ -169,8 +170,14 @@ class WeightSender(ABC):
         self.bucket_bytes = bucket_bytes
         self.timeout_seconds = timeout_seconds
         params = dict(model.named_parameters())
-        entries = [BucketEntry(name, engine_dtype or str(p.dtype).removeprefix("torch."), tuple(p.shape))
-                   for name, p in params.items()]
+        entries = []
+        # Each entry's source: a parameter, and where in it the entry's tensor sits (a fused MoE expert
+        # parameter goes out as the per-expert tensors the checkpoint held, which is what vLLM loads).
+        self._sources: dict[str, tuple[str, tuple]] = {}
+        for name, p in params.items():
+            for key, index, shape in checkpoint_entries(name, tuple(p.shape)):
+                entries.append(BucketEntry(key, engine_dtype or str(p.dtype).removeprefix("torch."), shape))
+                self._sources[key] = (name, index)
         self.buckets = plan_buckets(entries, bucket_bytes)
         self._params = params
 
@@ -225,8 +232,9 @@ class WeightSender(ABC):
             except RefitSendError as failure:
                 error = failure
 
+        gathered: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            tensors = [_full_tensor(self._params[entry.name]) for entry in bucket]
+            tensors = self._gather_bucket(bucket, gathered)
             finish_in_flight()
             if not send or error is not None:
                 continue
@@ -244,6 +252,19 @@ class WeightSender(ABC):
         if error is not None:
             raise RefitSendError(f"{self.backend} broadcast failed after {sent} bytes: {error}") from error
         return sent
+
+    def _gather_bucket(self, bucket: list[BucketEntry], gathered: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The full tensor of each entry (all trainer ranks gather). A parameter split over several
+        entries is gathered once; `gathered` keeps the last bucket's parameters, since a fused expert
+        parameter may straddle two buckets."""
+        sources = [self._sources[entry.name] for entry in bucket]  # (parameter name, index into it)
+        current = {}
+        for name, _ in sources:
+            if name not in current:
+                current[name] = gathered[name] if name in gathered else _full_tensor(self._params[name])
+        gathered.clear()
+        gathered.update(current)
+        return [current[name][index] for name, index in sources]
 
 
 class EngineWeightSync(ABC):

@@ -132,6 +132,12 @@ def tiny_tp_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_model_dir() -> Path:
+    """The seed-0 "moe" Qwen3-MoE model directory: 2 layers of 4 experts, top 2 (built once, cached)."""
+    return build_cached_tiny_model(preset="moe")
+
+
+@pytest.fixture(scope="session")
 def demo_data_dir() -> Path:
     """The seed-0 addition task: train/eval as .jsonl and .parquet (cached outside git)."""
     return build_cached_demo_data()

@@ -95,12 +95,16 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     else:
         examples = build_tool_examples(tokenizer, rows, tool_share=tool_share, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    # An MoE model trains with its load-balancing loss (the config's router_aux_loss_coef), as in
+    # pretraining: without it the tiny Qwen3-MoE's routers collapse within these steps (one expert of
+    # layer 1 never chosen) and the answer loss ends twice as high.
+    balance = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
     started = time.perf_counter()
     loss_value = float("nan")
     progress = ToolProgress(steps, desc=f"warm start ({task})")
     for _ in range(steps):
         input_ids, labels, attention_mask = pad_batch(rng.sample(examples, batch_size), tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **balance).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -113,7 +117,8 @@ def warm_start(model_dir: str, data_path: str, out_dir: str, *, steps: int, batc
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     settings = {"base_model": str(model_dir), "data": str(data_path), "task": task, "tool_share": tool_share, "steps": steps,
-                "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed}
+                "batch_size": batch_size, "learning_rate": learning_rate, "seed": seed,
+                "load_balancing_loss": bool(balance)}
     (staging / "warm_start.json").write_text(json.dumps(settings, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
