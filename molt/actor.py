@@ -13,10 +13,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from molt.batch import MicroBatch, build_micro_batches
+from molt.diagnostics import StepDiagnostics
 from molt.experience import Experience
+from molt.expert_parallel import freeze_routers
 from molt.hf_checkpoint import build_empty_model, load_sharded_weights
 from molt.logprobs import check_temperature, compute_chunked_logprobs
 from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
@@ -28,7 +31,7 @@ logger = logging.getLogger("molt")
 
 
 def build_actor_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan,
-                      logprob_chunk_tokens: int = 1024) -> nn.Module:
+                      logprob_chunk_tokens: int = 1024, freeze_router: bool = False) -> nn.Module:
     """A Hugging Face causal LM laid out on `mesh` (the trainer ranks only) and loaded without ever
     holding the whole model on one rank.
 
@@ -37,10 +40,13 @@ def build_actor_model(model_path: str, *, mesh: TrainerMesh, device: torch.devic
     checkpointing, mixed precision, offload, one FSDP unit per decoder block and the root), and
     then each rank reads only its own slices of the safetensors files (molt.hf_checkpoint).
     Parameter names stay the Hugging Face names (neither adds wrapper prefixes), which is what
-    vLLM's weight loading expects at refit.
+    vLLM's weight loading expects at refit. `freeze_router` (train.freeze_router): an MoE model's
+    routers get no gradient and no update (molt.expert_parallel.freeze_routers).
     """
     model = build_empty_model(model_path, dtype=plan.param_dtype)
     install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
+    if freeze_router:
+        freeze_routers(model.model)
     shard_and_load(model, model.model, model_path, mesh=mesh, device=device, plan=plan)
     if model.config.tie_word_embeddings and model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
@@ -256,25 +262,38 @@ def step_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_gr
     gradients either way. Returns (pre-clip norm, whether the optimizer stepped).
 
     Both inputs are the same on every rank (the loss all-reduced over the data-parallel ranks and
-    computed alike by tp ranks, the norm from the partial norms over every dim of the one mesh all
-    parameters share), so every rank takes the same decision without another collective: a NaN or
+    computed alike by tp ranks, the norm from the partial norms over every dim of each parameter's
+    mesh), so every rank takes the same decision without another collective: a NaN or
     inf on any rank skips the update everywhere, and bad weights never exist. `max_grad_norm <= 0` disables
     clipping (the norm is still measured).
     """
-    parameters = [p for p in model.parameters() if p.grad is not None]
+    by_mesh = group_by_grad_mesh(model)
     grad_norm = 0.0
-    if parameters:
-        total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()  # sharded partial norms -> global norm
+    if by_mesh:
+        norms = []
+        for parameters in by_mesh:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms -> mesh's
+        total_norm = torch.linalg.vector_norm(torch.stack(norms))
         grad_norm = total_norm.item()
     stepped = loss_is_finite and math.isfinite(grad_norm)
     if stepped:
-        if max_grad_norm > 0 and parameters:
+        for parameters in by_mesh if max_grad_norm > 0 else ():
             torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total_norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stepped
+
+
+def group_by_grad_mesh(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters with a gradient, one list per device mesh of their (DTensor) gradients:
+    expert parallelism puts the experts on a mesh of their own, and DTensor's norm and foreach
+    ops take one mesh at a time."""
+    groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            groups.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    return list(groups.values())
 
 
 class TrainableModel:

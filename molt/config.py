@@ -68,6 +68,10 @@ class LayoutConfig(ConfigSection):
     same micro-batches. Must divide num_trainer_ranks and the model's attention and KV heads."""
     trainer_context_parallel_size: int = 1
     """Context parallelism (GPU only): each sequence split over this many ranks for attention."""
+    trainer_expert_parallel_size: int = 1
+    """MoE: each MoE layer's experts split over this many trainer ranks, taken from the dp_shard ranks
+    (tokens reach their experts by all-to-all); must divide dp_shard and the model's num_experts,
+    with trainer_tensor_parallel_size=1. 1 = every rank holds FSDP2 shards of all experts."""
     gpus_per_node: int = 8
     """GPUs per node: --dry-run places the ranks in order on nodes of this size (a trainer rank on
     one GPU, a rollout rank on its engine's engine_tensor_parallel_size GPUs, all on one node)."""
@@ -223,6 +227,9 @@ class TrainConfig(ConfigSection):
     """Optimizer steps per rollout batch: the batch is split into this many windows (PPO mini-batches)."""
     ppo_epochs: int = 1
     """Passes over the rollout batch's windows; mini_batches_per_step x ppo_epochs optimizer steps a step."""
+    freeze_router: bool = False
+    """MoE: the routers (each block's mlp.gate) are not trained, so RL updates cannot shift which
+    experts a token uses, the most sensitive part of an MoE model; experts and the rest train."""
     max_consecutive_nonfinite_steps: int = 3
     """A step with a NaN/inf loss or gradient norm takes no optimizer step and pushes no weights;
     this many in a row stop the job."""
@@ -516,6 +523,21 @@ def check_trainer_mesh(layout: LayoutConfig, check) -> None:
           f"x trainer_context_parallel_size x trainer_tensor_parallel_size = "
           f"{' x '.join(str(size) for size in sizes.values())} = {product}: the trainer mesh is dp_replicate x "
           f"dp_shard x cp x tp")
+    check_expert_parallel(layout, layout.num_trainer_ranks // max(product, 1), check)
+
+
+def check_expert_parallel(layout: LayoutConfig, dp_shard: int, check) -> None:
+    """ep borrows from the dp_shard ranks (dp_shard = dp_shard_mod_ep x ep); the model's side
+    (num_experts divisible, not dense) is checked when the model is laid out."""
+    ep = layout.trainer_expert_parallel_size
+    check(ep >= 1, f"layout.trainer_expert_parallel_size={ep}: need at least 1")
+    check(ep < 1 or dp_shard % ep == 0,
+          f"layout.trainer_expert_parallel_size={ep} does not divide the dp_shard size {dp_shard} (num_trainer_ranks "
+          f"/ (replicate x cp x tp)): expert parallelism splits the data-parallel shard ranks; use one of "
+          f"{[size for size in range(1, dp_shard + 1) if dp_shard % size == 0]}")
+    check(ep == 1 or layout.trainer_tensor_parallel_size == 1,
+          f"layout.trainer_expert_parallel_size={ep} with trainer_tensor_parallel_size="
+          f"{layout.trainer_tensor_parallel_size}: Molt does not tensor-parallelise MoE models; set tp to 1")
 
 
 def _type_name(hint) -> str:

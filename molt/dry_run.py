@@ -124,9 +124,12 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     num_routed = sum(p.numel() for name, p in named.items() if ROUTED_EXPERT.search(name))
     head = model.get_output_embeddings()
     tied = head is None or head.weight is model.get_input_embeddings().weight
-    blocks = {f"model.layers.{index}": sum(p.numel() for p in block.parameters())
+    ep = cfg.layout.trainer_expert_parallel_size  # a block gathers only its rank's share of the experts
+    blocks = {f"model.layers.{index}": sum(p.numel() // (ep if ROUTED_EXPERT.search(name) else 1)
+                                           for name, p in block.named_parameters())
               for index, block in enumerate(model.model.layers)}
-    units = {**blocks, "root (embeddings, final norm, LM head)": num_params - sum(blocks.values())}
+    in_blocks = sum(p.numel() for p in model.model.layers.parameters())
+    units = {**blocks, "root (embeddings, final norm, LM head)": num_params - in_blocks}
     if dist.is_initialized():
         raise RuntimeError("--dry-run builds its own fake process group; run it outside a distributed job")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
@@ -137,7 +140,8 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         dist.new_group(list(range(layout.num_trainer_ranks)))
         mesh = build_trainer_mesh(num_trainer_ranks=layout.num_trainer_ranks, device_type="cpu",
                                   data_parallel_replicate=layout.trainer_data_parallel_replicate,
-                                  tensor_parallel_size=layout.trainer_tensor_parallel_size)
+                                  tensor_parallel_size=layout.trainer_tensor_parallel_size,
+                                  expert_parallel_size=layout.trainer_expert_parallel_size)
         plan = ShardingPlan.from_config(cfg)
         try:
             shard_causal_lm(model, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
@@ -147,6 +151,9 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
         replicate = layout.trainer_data_parallel_replicate
         mesh_text = (f"{mesh.mesh!r}: dp_replicate {replicate} x dp_shard {mesh.dp_size // replicate} x tp "
                      f"{mesh.tp_size}, {mesh.dp_size} data-parallel rank(s)")
+        if ep > 1:  # the experts' own split of dp_shard
+            mesh_text += (f"; experts: dp_shard_mod_ep {mesh.dp_size // replicate // ep} x ep {ep}, "
+                          f"each rank holds 1/{ep} of every MoE layer's experts")
     finally:
         dist.destroy_process_group()
     return ModelFootprint(

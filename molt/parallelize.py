@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from molt.config import MoltConfig, parse_activation_checkpointing
+from molt.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 
 TRAINER_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -46,10 +47,19 @@ class TrainerMesh:
     dp_size: int  # dp_replicate x dp_shard
     tp_rank: int
     tp_size: int
+    # Expert parallelism: dp_shard = dp_shard_mod_ep x ep, ep the inner (consecutive) ranks.
+    ep_mesh: DeviceMesh | None = None  # the ranks that split each MoE layer's experts; None when ep_size == 1
+    expert_fsdp_mesh: DeviceMesh | None = None  # FSDP2's for the experts: dp_shard_mod_ep (with dp_replicate)
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def device_type(self) -> str:
         return self.mesh.device_type
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return None if self.ep_mesh is None else self.ep_mesh.get_group()
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup, device_type: str) -> TrainerMesh:
@@ -61,10 +71,12 @@ class TrainerMesh:
 
 
 def build_trainer_mesh(*, num_trainer_ranks: int, device_type: str, data_parallel_replicate: int = 1,
-                       tensor_parallel_size: int = 1, timeout_seconds: float | None = None) -> TrainerMesh | None:
+                       tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+                       timeout_seconds: float | None = None) -> TrainerMesh | None:
     """The ("dp_replicate", "dp_shard", "tp") mesh over world ranks 0 .. num_trainer_ranks - 1
     (layout.trainer_data_parallel_replicate, layout.trainer_tensor_parallel_size); dp_shard takes
-    the ranks left over.
+    the ranks left over. With layout.trainer_expert_parallel_size > 1, dp_shard is also split as
+    (dp_shard_mod_ep, ep) for the experts (`build_expert_meshes`).
 
     Collective over the WORLD: creating the mesh's process groups calls `dist.new_group`, which
     every world rank must call in the same order, so rollout ranks call this too (right after the
@@ -98,12 +110,37 @@ def build_trainer_mesh(*, num_trainer_ranks: int, device_type: str, data_paralle
     # dimension's own group; with several, a new group per tp coordinate (every world rank calls).
     dp_groups = ([] if replicate == 1 else
                  [dist.new_group(ranks[..., c].flatten().tolist(), timeout=timeout) for c in range(tp)])
+    ep_mesh, expert_fsdp_mesh = build_expert_meshes(mesh, expert_parallel_size, shard=shard, tp_size=tp,
+                                                    options=options, is_trainer=rank < num_trainer_ranks)
     if rank >= num_trainer_ranks:
         return None
     fsdp_mesh = mesh["dp_shard"] if replicate == 1 else mesh["dp_replicate", "dp_shard"]
     return TrainerMesh(mesh=mesh, fsdp_mesh=fsdp_mesh, tp_mesh=mesh["tp"] if tp > 1 else None,
                        dp_group=fsdp_mesh.get_group() if replicate == 1 else dp_groups[rank % tp],
-                       dp_rank=rank // tp, dp_size=replicate * shard, tp_rank=rank % tp, tp_size=tp)
+                       dp_rank=rank // tp, dp_size=replicate * shard, tp_rank=rank % tp, tp_size=tp,
+                       ep_mesh=ep_mesh, expert_fsdp_mesh=expert_fsdp_mesh, ep_size=expert_parallel_size,
+                       ep_rank=ep_mesh.get_local_rank() if ep_mesh is not None else 0)
+
+
+def build_expert_meshes(mesh: DeviceMesh, ep: int, *, shard: int, tp_size: int, options: C10dBackend.Options | None,
+                        is_trainer: bool) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(ep mesh, the experts' FSDP2 mesh) when ep > 1, else Nones: `mesh`'s dp_shard dim (of `shard`
+    ranks) unflattened into (dp_shard_mod_ep, ep), ep inner so an ep group is consecutive ranks (one
+    node, when it fits). Both come from `mesh`'s root, as FSDP2 needs to compose them. Collective
+    over the WORLD like `build_trainer_mesh` (it makes the two dims' process groups); a rollout rank
+    (not `is_trainer`) makes the groups and gets Nones, as it cannot slice a mesh it is not in."""
+    if ep == 1:
+        return None, None
+    if ep < 1 or shard % ep or tp_size > 1:
+        raise ValueError(f"layout.trainer_expert_parallel_size={ep} must divide the dp_shard size {shard} and needs "
+                         f"trainer_tensor_parallel_size=1 (got {tp_size}); use a divisor of {shard}")
+    names = ("dp_shard_mod_ep", "ep")
+    split = mesh._unflatten("dp_shard", (shard // ep, ep), names,
+                            backend_override=None if options is None else dict.fromkeys(names, options))
+    if not is_trainer:
+        return None, None
+    replicated = "dp_replicate" in split.mesh_dim_names
+    return split["ep"], split["dp_replicate", "dp_shard_mod_ep"] if replicated else split["dp_shard_mod_ep"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,13 +187,25 @@ def shard_model(model: nn.Module, backbone: nn.Module, *, mesh: TrainerMesh, pla
     `apply_tensor_parallel`), then activation checkpointing and one FSDP2 unit per decoder block
     of `backbone.layers`, then the root unit, over `mesh.fsdp_mesh` (HSDP when it is 2-D).
     Parameter names are unchanged (tensor parallelism, composable checkpointing and FSDP2 add no
-    wrapper prefixes), which is what refit and checkpoints rely on."""
+    wrapper prefixes), which is what refit and checkpoints rely on.
+
+    With expert parallelism (mesh.ep_size > 1) each MoE layer's experts are split over the ep
+    ranks first (molt.expert_parallel), and each block's experts module becomes its own FSDP2
+    unit over `mesh.expert_fsdp_mesh` (the ranks holding the same experts), inside the block's."""
     if mesh.tp_size > 1:
         apply_tensor_parallel(model, backbone, mesh.tp_mesh)
+    if mesh.ep_size > 1:
+        apply_expert_parallel(backbone, mesh.ep_mesh)
     options = dict(mesh=mesh.fsdp_mesh, mp_policy=plan.mixed_precision(), offload_policy=plan.offload())
     for index, block in enumerate(backbone.layers):
         if plan.checkpoint_every and index % plan.checkpoint_every == 0:
             checkpoint(block)  # non-reentrant: only the block's input is kept for backward
+        experts = getattr(getattr(block, "mlp", None), "experts", None)
+        if isinstance(experts, ExpertParallelExperts):
+            fully_shard(experts, **{**options, "mesh": mesh.expert_fsdp_mesh})
+            # FSDP2's default mean divides by its own mesh's size; the experts' gradients come from
+            # every data-parallel rank's tokens, so they divide like the rest (a sum in training).
+            experts.set_gradient_divide_factor(float(mesh.dp_size))
         fully_shard(block, **options)
     fully_shard(model, **options)
 

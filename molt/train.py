@@ -346,6 +346,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     mesh = build_trainer_mesh(num_trainer_ranks=num_trainers, device_type=device.type,
                               data_parallel_replicate=cfg.layout.trainer_data_parallel_replicate,
                               tensor_parallel_size=cfg.layout.trainer_tensor_parallel_size,
+                              expert_parallel_size=cfg.layout.trainer_expert_parallel_size,
                               timeout_seconds=timeout_seconds)
     store = dist.distributed_c10d._get_default_store()
     host = job_host(os.environ)

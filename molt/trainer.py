@@ -62,10 +62,14 @@ class Trainer:
         self.unreleased_payloads: list[PayloadRef] = []  # see reload
         plan = ShardingPlan.from_config(cfg)
         model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
-                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
+                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
+                                  freeze_router=cfg.train.freeze_router)
         self.pad_token_id = _pad_token_id(model)
+        routing = RoutingReplay.install(model, replay=cfg.algorithm.routing_replay,
+                                       aux_loss_coef=cfg.algorithm.router_aux_loss_coef)  # None: a dense model
         self.actor = Actor(model, group=mesh.dp_group, device=device, optimizer=optimizer_settings(cfg),
-                           max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
+                           max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature,
+                           routing=routing)
         self.learner = Learner(cfg, self.actor, mesh=mesh, device=device)
         self.micro_batch_layout = (choose_layout(self.actor, self.pad_token_id, plan.forward_dtype) if cfg.train.packing
                        else "padded")  # molt.batch.LAYOUTS
