@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from molt.agent_worker import WorkerSettings, failed_outcome, plain_fields, run_agent_worker
+from molt.agent_worker import WorkerSettings, encode_generation, failed_outcome, run_agent_worker
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
 from molt.wire import pack, unpack
@@ -261,7 +261,7 @@ class AgentWorkerPool:
     async def _call(self, worker: WorkerHandle, method: str, args: dict) -> dict:
         if method == "generate":
             generation = await self.engine.generate(list(args["token_ids"]), SamplingParams(**args["sampling"]))
-            return plain_fields(generation)
+            return encode_generation(generation)
         if method in ("open_session", "close_session") and self.endpoint is None:
             raise RuntimeError(f"{method}: this rank has no session endpoint (the agent is not a ChatAgentRunner)")
         if method == "open_session":
@@ -275,7 +275,7 @@ class AgentWorkerPool:
             if session is None:
                 raise KeyError(f"no open session {args['session_id']!r} of this worker")
             record = await self.endpoint.end_session(session)
-            return {"segments": [plain_fields(s) for s in record.segments], "ledger": dict(record.ledger),
+            return {"segments": [s.to_dict() for s in record.segments], "ledger": dict(record.ledger),
                     "context_exhausted": record.context_exhausted}
         raise ValueError(f"unknown call {method!r}")
 

@@ -37,6 +37,7 @@ from molt.engine import Generation
 from molt.experience import Experience, Segment
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import configure_logging
+from molt.routes import decode_routes, encode_routes
 from molt.wire import connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -79,6 +80,15 @@ def failed_outcome(request: dict, reason: str, error: str) -> dict:
 def plain_fields(record) -> dict:
     """A dataclass's fields as a dict, without asdict's deep copy (the values go straight to msgpack)."""
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def encode_generation(generation: Generation) -> dict:
+    """A generation for msgpack (the rank answers a worker's generate call), routes as raw bytes."""
+    return {**plain_fields(generation), "routed_experts": encode_routes(generation.routed_experts)}
+
+
+def decode_generation(data: dict) -> Generation:
+    return Generation(**{**data, "routed_experts": decode_routes(data.get("routed_experts"))})
 
 
 # -- the worker's side of its rank ---------------------------------------------------------------
@@ -130,7 +140,7 @@ class RemoteEngine:
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
         result = await self.link.call("generate", token_ids=list(token_ids), sampling=plain_fields(sampling))
-        return Generation(**result)
+        return decode_generation(result)
 
 
 @dataclass(kw_only=True)
@@ -156,7 +166,7 @@ class RemoteSessions:
 
     async def end_session(self, session: RemoteSession) -> SessionRecord:
         result = await self.link.call("close_session", session_id=session.session_id)
-        return SessionRecord(segments=[Segment(**s) for s in result["segments"]], ledger=result["ledger"],
+        return SessionRecord(segments=[Segment.from_dict(s) for s in result["segments"]], ledger=result["ledger"],
                              context_exhausted=result["context_exhausted"])
 
 

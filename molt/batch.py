@@ -10,6 +10,7 @@ import torch
 from molt.experience import Experience
 from molt.objectives import (compute_dr_grpo_advantages, compute_group_mean_advantages, compute_grpo_advantages,
                              compute_rloo_advantages)
+from molt.routes import ROUTE_DTYPE, UNKNOWN
 
 GROUP_ADVANTAGES = {"grpo": compute_grpo_advantages, "dr_grpo": compute_dr_grpo_advantages,
                     "group_mean": compute_group_mean_advantages, "rloo": compute_rloo_advantages}
@@ -35,6 +36,9 @@ class MicroBatch:
     temperatures: torch.Tensor  # [batch, seq] float32
     rewards: torch.Tensor  # [batch] float64, each row's rollout reward (0 for a filler row)
     rows: list[int]  # [batch] index of each row's experience in the rank's list; -1 = filler
+    # Routed experts for routing replay (molt.routes): each experience's own, -1 (unknown) on padding
+    # and for an experience without routes; None when no experience here has any.
+    routed_experts: torch.Tensor | None = None  # [batch, seq, layers, top_k] int16
     # Packed micro-batches only (None when padded):
     packed_ids: torch.Tensor | None = None  # [packed_rows, width] the packed token ids (pad at row ends)
     position_ids: torch.Tensor | None = None  # [packed_rows, width] each token's position in its own sequence
@@ -76,6 +80,22 @@ class MicroBatch:
         flat = self.temperatures.new_ones(self.packed_index.shape)
         flat[real] = self.temperatures.reshape(-1)[self.packed_index[real]]
         return flat.view(self.packed_ids.shape)
+
+    def model_layout(self, values: torch.Tensor, *, fill: float | bool) -> torch.Tensor:
+        """Per-token `values` ([batch, seq, ...], like `input_ids`) laid out like `model_inputs()`:
+        as they are when padded; packed, [packed_rows, width, ...] with `fill` on the pad tail."""
+        if self.packed_ids is None:
+            return values
+        per_token = values.shape[2:]
+        real = self.packed_index >= 0
+        flat = values.new_full((len(self.packed_index), *per_token), fill)
+        flat[real] = values.reshape(-1, *per_token)[self.packed_index[real]]
+        return flat.view(*self.packed_ids.shape, *per_token)
+
+    def model_routed_experts(self) -> torch.Tensor | None:
+        """`routed_experts` laid out like `model_inputs()`: the padded rows, or [packed_rows, width,
+        layers, top_k] with -1 (unknown) on a packed row's pad tail; None without routes."""
+        return None if self.routed_experts is None else self.model_layout(self.routed_experts, fill=UNKNOWN)
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[batch, seq] from per-token `values` laid out like `model_inputs()` (0 on padding)."""
@@ -322,11 +342,28 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], pac
         temperatures=temperatures,
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float64),
         rows=rows,
+        routed_experts=_collate_routes(experiences, seq_len),
     )
     if packed:
         lengths = [[all_experiences[i].num_tokens for i in packed_row] for packed_row in packed_rows]
         _pack(micro_batch, lengths, pad_token_id)
     return micro_batch
+
+
+def _collate_routes(experiences: list[Experience], seq_len: int) -> torch.Tensor | None:
+    """[batch, seq, layers, top_k] the experiences' routes, -1 on padding and for one without any;
+    None when none has any."""
+    shapes = {tuple(e.routed_experts.shape[1:]) for e in experiences if e.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"experiences of one micro-batch have routes of different [layers, top_k]: {sorted(shapes)}; "
+                         f"all must come from one model's engine")
+    routes = torch.full((len(experiences), seq_len, *shapes.pop()), UNKNOWN, dtype=ROUTE_DTYPE)
+    for row, experience in enumerate(experiences):
+        if experience.routed_experts is not None:
+            routes[row, :experience.num_tokens] = experience.routed_experts
+    return routes
 
 
 def _pack(micro_batch: MicroBatch, lengths: list[list[int]], pad_token_id: int) -> None:

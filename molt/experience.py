@@ -5,7 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass, field, fields
+
+import torch
+
+from molt.routes import count_known, decode_routes, encode_routes, merge_routes, pad_routes
 
 
 @dataclass(kw_only=True)
@@ -23,6 +28,11 @@ class Experience:
     # None: rollout.temperature for every token (the common case, which ships nothing). Only the
     # action tokens' values matter; context positions are masked out of every loss.
     temperatures: list[float] | None = None  # [tokens] temperature each token was sampled at
+    # Routed experts (molt.routes): each token's top-k experts at each MoE layer as the engine ran
+    # it, -1 where unknown; None for a dense model or with rollout.capture_routes off. A tensor, as
+    # a list of lists would be most of the record; to_dict ships its raw bytes. Left out of `==`
+    # (a tensor has no single truth value): compare it with torch.equal.
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)  # [tokens, layers, top_k] int16
     reward: float  # the rollout's reward, shared by all its segments
     score: float  # value used for group filtering; defaults to the reward
     group_id: int  # prompt group this rollout belongs to
@@ -30,6 +40,10 @@ class Experience:
     segment_index: int = 0  # position of this segment within its rollout
     truncated: bool = False  # the last response was cut at max_response_tokens or max_length
     info: dict[str, float] = field(default_factory=dict)  # numeric metrics from the agent
+    # CRC32 of the action tokens' (position, id) pairs, taken where the trace is made
+    # (compute_action_digest): the trainer checks the ids it trains on against it (molt.diagnostics).
+    # None: not checked. Whatever changes token_ids or action_mask must recompute or clear it.
+    action_digest: int | None = None
     # While offloaded (molt.payloads.fields): the token-axis lists are empty, `payload` is the
     # reference to them in the producing node's payload store, and `summary` keeps what the
     # controller needs without them (see summarize_tokens).
@@ -40,6 +54,9 @@ class Experience:
         if self.temperatures is not None and len(self.temperatures) != len(self.token_ids):
             raise ValueError(f"temperatures has {len(self.temperatures)} entries for {len(self.token_ids)} tokens; "
                              f"give one per token, or None for rollout.temperature everywhere")
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.token_ids):
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} positions for {len(self.token_ids)} "
+                             f"tokens; give one per token (-1 where unknown), or None without routes")
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +66,11 @@ class Experience:
     def num_action_tokens(self) -> int:
         return self.summary["num_action_tokens"] if self.summary else sum(self.action_mask)
 
+    @property
+    def num_routed_tokens(self) -> int:
+        """Positions with a known route (0 without routes)."""
+        return self.summary.get("num_routed_tokens", 0) if self.summary else count_known(self.routed_experts)
+
     def action_version_stats(self) -> tuple[int, int, int, int]:
         """(count, sum, min, max) of the action tokens' policy versions ((0, 0, 0, 0) without any)."""
         summary = self.summary or summarize_tokens(self)
@@ -57,21 +79,33 @@ class Experience:
 
     def to_dict(self) -> dict:
         """The fields for msgpack. Shallow: the dict shares this record's lists and dicts (asdict's
-        deep copy was most of the cost of forwarding an outcome)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        deep copy was most of the cost of forwarding an outcome); the routes as raw bytes."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["routed_experts"] = encode_routes(self.routed_experts)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Experience:
-        return cls(**data)
+        return cls(**{**data, "routed_experts": decode_routes(data.get("routed_experts"))})
 
 
 def summarize_tokens(experience: Experience) -> dict[str, int]:
-    """What the controller reads of the token-axis fields: their length, the action-token count
-    and the action tokens' policy versions (sum, min, max) for the staleness metrics."""
+    """What the controller reads of the token-axis fields: their length, the action-token count,
+    the action tokens' policy versions (sum, min, max) for the staleness metrics, and how many
+    positions have a known route."""
     versions = [v for is_action, v in zip(experience.action_mask, experience.policy_versions) if is_action]
     return {"num_tokens": len(experience.token_ids), "num_action_tokens": len(versions),
             "version_sum": sum(versions), "version_min": min(versions, default=0),
-            "version_max": max(versions, default=0)}
+            "version_max": max(versions, default=0), "num_routed_tokens": count_known(experience.routed_experts)}
+
+
+def compute_action_digest(token_ids, action_mask) -> int:
+    """CRC32 of the action tokens' (position, id) pairs as little-endian int64: the fingerprint of
+    what the engine sampled (`Experience.action_digest`). Lists, arrays or CPU tensors, [tokens] each."""
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    positions = torch.as_tensor(action_mask).bool().nonzero().view(-1)
+    pairs = torch.stack([positions, ids[positions]], dim=1)  # [action tokens, 2]
+    return zlib.crc32(pairs.numpy().astype("<i8", copy=False).tobytes())
 
 
 @dataclass
@@ -85,6 +119,9 @@ class Segment:
     versions: list[int] = field(default_factory=list)  # [tokens]
     temperatures: list[float] = field(default_factory=list)  # [tokens] sampling temperature; 1.0 on context
     truncated: bool = False  # its last response was cut at max_tokens
+    # The routes recorded so far (molt.routes), None until a generation brings some. Shorter than
+    # token_ids while context added after the last generation has not been run by the engine.
+    routes: torch.Tensor | None = field(default=None, compare=False)  # [tokens recorded, layers, top_k] int16
 
     def add_context(self, token_ids: list[int]) -> None:
         # Context positions are masked out of every loss; any positive temperature keeps their
@@ -96,9 +133,10 @@ class Segment:
         self.temperatures += [1.0] * len(token_ids)
 
     def add_action(self, token_ids: list[int], logprobs: list[float], versions: int | list[int],
-                   temperature: float = 1.0) -> None:
+                   temperature: float = 1.0, routes: torch.Tensor | None = None) -> None:
         """Append sampled tokens; `versions`: the weight version of each token, or one for all;
-        `temperature`: the one they were sampled at (their `logprobs` are at it too)."""
+        `temperature`: the one they were sampled at (their `logprobs` are at it too); `routes`: the
+        generation's routed experts, [all tokens so far, these included, layers, top_k] (`record_routes`)."""
         if isinstance(versions, int):
             versions = [versions] * len(token_ids)
         if not len(token_ids) == len(logprobs) == len(versions):
@@ -112,6 +150,23 @@ class Segment:
         self.logprobs += logprobs
         self.versions += versions
         self.temperatures += [float(temperature)] * len(token_ids)
+        if routes is not None:
+            self.record_routes(routes)
+
+    def record_routes(self, routes: torch.Tensor) -> None:
+        """Merge a generation's routes (its prompt, which is this segment's tokens before its reply,
+        and its reply) into the segment's. First recorded wins (merge_routes): a continuation or a
+        partial rollout's recomputed prefix keeps the routes of the weights that ran it first, and a
+        prefix-cache hit's unknown positions are filled by what was recorded before."""
+        if len(routes) != len(self.token_ids):
+            raise RuntimeError(f"the engine returned routes for {len(routes)} positions, but the prompt and reply "
+                               f"have {len(self.token_ids)} tokens; routed_experts must cover prompt and reply")
+        self.routes = merge_routes(self.routes, routes)
+
+    def routes_or_none(self) -> torch.Tensor | None:
+        """[tokens, layers, top_k] the routes, for `Experience.routed_experts`, unknown (-1) past the
+        last generation; None when no generation brought any."""
+        return None if self.routes is None else pad_routes(self.routes, len(self.token_ids))
 
     def action_temperatures_or_none(self, default: float) -> list[float] | None:
         """[tokens] the temperatures, for `Experience.temperatures`, when some action token was
@@ -121,6 +176,14 @@ class Segment:
 
     def copy(self) -> Segment:
         return copy.deepcopy(self)
+
+    def to_dict(self) -> dict:
+        """The fields for msgpack (a session's segments go from the rank to the agent worker)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "routes": encode_routes(self.routes)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Segment:
+        return cls(**{**data, "routes": decode_routes(data.get("routes"))})
 
 
 def split_at_version_changes(experience: Experience) -> list[Experience]:
@@ -152,6 +215,9 @@ def split_at_version_changes(experience: Experience) -> list[Experience]:
             behavior_logprobs=[lp if m else 0.0 for lp, m in zip(experience.behavior_logprobs, mine)],
             policy_versions=[v if m else -1 for v, m in zip(experience.policy_versions, mine)],
             temperatures=None if experience.temperatures is None else experience.temperatures[:end],
+            routed_experts=None if experience.routed_experts is None else experience.routed_experts[:end],
+            action_digest=None if experience.action_digest is None else compute_action_digest(
+                experience.token_ids[:end], mine),
             truncated=experience.truncated and is_last, info=dict(experience.info)))
         start = last + 1
     return pieces

@@ -16,7 +16,7 @@ from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # n
 # Markers and the default time limit are in pytest.ini.
 
 # Fixtures that start a vLLM engine: a test that uses one belongs to the e2e tier.
-ENGINE_FIXTURES = {"engine", "endpoint"}
+ENGINE_FIXTURES = {"engine", "endpoint", "moe_engine"}
 # How long a test that outlived its time limit gets to unwind (its finally blocks and fixtures stop
 # what it started) before the run is stopped hard, its processes killed.
 TIMEOUT_GRACE_SECONDS = 60
@@ -194,6 +194,15 @@ class EngineThread:
 def engine(tiny_model_dir) -> EngineThread:
     """One shared engine on the tiny model. Tests that change its weights must restore them."""
     thread = EngineThread(tiny_model_dir)
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="session")
+def moe_engine(moe_model_dir) -> EngineThread:
+    """One shared engine on the tiny Qwen3-MoE, capturing routes (rollout.capture_routes is on for
+    MoE by default). Tests that change its weights must restore them."""
+    thread = EngineThread(moe_model_dir)
     yield thread
     thread.close()
 

@@ -150,11 +150,11 @@ def test_experience_offload_restore_round_trip(store, node_id):
     experience = Experience(
         token_ids=[5, 9, 2, 7, 1], action_mask=[0, 0, 1, 1, 1], behavior_logprobs=[0.0, 0.0, -0.5, -1.25, -3.0],
         policy_versions=[-1, -1, 4, 4, 5], reward=1.0, score=0.5, group_id=3, rollout_id=11, segment_index=1,
-        truncated=True, info={"turns": 2.0})
-    extras = {"image": torch.randint(0, 256, (6, 5, 3), dtype=torch.uint8),
-              "routed_experts": torch.randint(-1, 8, (5, 2, 2), dtype=torch.int16)}
+        truncated=True, info={"turns": 2.0}, routed_experts=torch.randint(-1, 8, (5, 2, 2), dtype=torch.int16))
+    extras = {"image": torch.randint(0, 256, (6, 5, 3), dtype=torch.uint8)}
     light, ref = offload_experience(store, experience, extras)
     assert light.token_ids == [] and light.reward == 1.0 and ref.entry("token_ids").shape == (5,)
+    assert light.routed_experts is None and ref.entry("routed_experts").shape == (5, 2, 2)
     record = msgpack.unpackb(msgpack.packb({"experience": light.to_dict(), "payload": ref.to_dict()}), raw=False)
     client = PayloadClient(node_id, store=store)
     try:
@@ -162,10 +162,12 @@ def test_experience_offload_restore_round_trip(store, node_id):
     finally:
         client.close()
     restored, restored_extras = restore_experience(Experience.from_dict(record["experience"]), tensors)
-    assert restored == experience
+    assert restored == experience and torch.equal(restored.routed_experts, experience.routed_experts)
+    assert restored.routed_experts.dtype == torch.int16
     assert_bit_exact(extras, restored_extras)
-    with pytest.raises(ValueError, match="token-axis"):
-        offload_experience(store, experience, {"token_ids": torch.zeros(5)})
+    for name in ("token_ids", "routed_experts"):
+        with pytest.raises(ValueError, match="token-axis"):
+            offload_experience(store, experience, {name: torch.zeros(5)})
 
 
 def test_sampling_temperatures_travel_in_the_payload_and_none_stays_none(store, node_id):

@@ -7,9 +7,12 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from molt.experience import Experience
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(kw_only=True)
@@ -82,6 +85,7 @@ class Generation(Protocol):
     logprobs: list[float]
     policy_version: int
     finish_reason: str
+    routed_experts: torch.Tensor | None  # [prompt + response tokens, layers, top_k] (molt.routes)
 
 
 class Sampler(Protocol):

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
                               SamplingParams)
 from molt.agents.env import PromptTooLong
-from molt.experience import Experience, Segment
+from molt.experience import Experience, Segment, compute_action_digest
 
 
 @dataclass(kw_only=True)
@@ -120,6 +120,8 @@ def build_experiences(segments: list[Segment], result: Result, request: RolloutR
     return [Experience(token_ids=segment.token_ids, action_mask=segment.action_mask,
                        behavior_logprobs=segment.logprobs, policy_versions=segment.versions,
                        temperatures=segment.action_temperatures_or_none(request.sampling.temperature),
+                       routed_experts=segment.routes_or_none(),
+                       action_digest=compute_action_digest(segment.token_ids, segment.action_mask),
                        reward=float(result.reward), score=score, group_id=request.group_id,
                        rollout_id=request.rollout_id, segment_index=index,
                        truncated=segment.truncated or result.truncated, info=info)

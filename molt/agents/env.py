@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
                               Sampler, SamplingParams)
-from molt.experience import Experience, Segment
+from molt.experience import Experience, Segment, compute_action_digest
 
 logger = logging.getLogger("molt")
 
@@ -60,7 +60,7 @@ class StepEnvRunner(AgentRunnerBase):
                                       top_p=request.sampling.top_p)
             generation = await sampler.generate(trace.token_ids, sampling)
             trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions,
-                             temperature=request.sampling.temperature)
+                             temperature=request.sampling.temperature, routes=generation.routed_experts)
             action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
                                               label=request.label, turn=turn, sampling_params=sampling))
@@ -84,8 +84,9 @@ class StepEnvRunner(AgentRunnerBase):
             truncated = True  # ran out of turns without the Env terminating
         experience = Experience(
             token_ids=trace.token_ids, action_mask=trace.action_mask, behavior_logprobs=trace.logprobs,
-            policy_versions=trace.versions, reward=total_reward, score=total_score,
-            group_id=request.group_id, rollout_id=request.rollout_id, truncated=truncated, info=info)
+            policy_versions=trace.versions, routed_experts=trace.routes_or_none(), reward=total_reward,
+            score=total_score, group_id=request.group_id, rollout_id=request.rollout_id, truncated=truncated,
+            info=info, action_digest=compute_action_digest(trace.token_ids, trace.action_mask))
         return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=[experience])
 
     def _render_observation(self, tokenizer, observation: str) -> str:

@@ -1,7 +1,7 @@
 """A capture session: one rollout's conversation with the policy, recorded token-exactly.
 
 The session keeps its current segment (token ids, action mask, behaviour log-probs, versions,
-sampling temperatures) and the messages it has recorded. Each request either continues the
+sampling temperatures, routed experts) and the messages it has recorded. Each request either continues the
 segment (the recorded messages are a prefix of the new list: the recorded ids are kept as sampled
 and the new messages are rendered and appended as context) or closes it and opens a new one from
 the freshly rendered prompt (DESIGN section 4).
@@ -129,6 +129,7 @@ class Session:
                                 temperature=temperature, top_p=self.default_sampling.top_p)
         seed = None if sampling.seed is None else hash((sampling.seed, self.seed_salt)) & (2**63 - 1)
         sampled, logprobs, versions, top, parts = [], [], [], [], []
+        routes = None  # [prompt + response tokens, layers, top_k], on the last delta (molt.routes)
         finish_reason, stop_reason = None, None
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.
@@ -140,6 +141,7 @@ class Session:
                 logprobs += delta.logprobs
                 top += delta.top_logprobs or []
                 versions = delta.policy_versions or versions  # per token, on the last delta
+                routes = delta.routed_experts if delta.routed_experts is not None else routes
                 finish_reason = delta.finish_reason or finish_reason
                 stop_reason = delta.stop_reason if delta.stop_reason is not None else stop_reason
                 new = parser.feed(delta.text)
@@ -156,7 +158,7 @@ class Session:
                 yield item
         segment = base.copy() if base else Segment()
         segment.add_context(prompt_ids[len(segment.token_ids):])
-        segment.add_action(sampled, logprobs, versions, temperature=temperature)
+        segment.add_action(sampled, logprobs, versions, temperature=temperature, routes=routes)
         segment.truncated = finish_reason == "length"
         reply = Reply(parts=merged_parts(parts), prompt_tokens=len(prompt_ids), completion_tokens=len(sampled),
                       finish_reason=_finish_reason(finish_reason, parts),

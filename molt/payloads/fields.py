@@ -13,6 +13,7 @@ import torch
 from molt.experience import Experience, summarize_tokens
 from molt.payloads.reference import ALIGNMENT, PayloadRef
 from molt.payloads.store import PayloadStore
+from molt.routes import ROUTE_DTYPE
 
 if TYPE_CHECKING:
     from molt.payloads.client import PayloadClient
@@ -24,6 +25,8 @@ TOKEN_FIELDS = {"token_ids": torch.int32, "action_mask": torch.uint8, "behavior_
 # Token-axis fields that may be None (then absent from the payload, and None again on reload).
 # Temperatures are float32, as the engine divides the logits by them and the trainer does (molt.batch).
 OPTIONAL_TOKEN_FIELDS = {"temperatures": torch.float32}
+# Routed experts travel as the [tokens, layers, top_k] tensor they are (molt.routes), when set.
+ROUTES_FIELD = "routed_experts"
 
 
 def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
@@ -32,15 +35,20 @@ def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
     for name, dtype in OPTIONAL_TOKEN_FIELDS.items():
         if getattr(experience, name) is not None:
             tensors[name] = torch.tensor(getattr(experience, name), dtype=dtype)
+    if experience.routed_experts is not None:
+        tensors[ROUTES_FIELD] = experience.routed_experts.to(ROUTE_DTYPE).contiguous()
     return tensors
 
 
 def payload_nbytes(experience: Experience) -> int:
     """The bytes the experience's token-axis fields would take in a payload, each aligned, without
-    building it (every such field has the experience's length)."""
+    building it (every such field has the experience's length; routes, layers x top_k per token)."""
     fields = TOKEN_FIELDS if experience.temperatures is None else {**TOKEN_FIELDS, **OPTIONAL_TOKEN_FIELDS}
     num_tokens = len(experience.token_ids)
-    return sum(-(-num_tokens * dtype.itemsize // ALIGNMENT) * ALIGNMENT for dtype in fields.values())
+    sizes = [num_tokens * dtype.itemsize for dtype in fields.values()]
+    if experience.routed_experts is not None:
+        sizes.append(experience.routed_experts.numel() * ROUTE_DTYPE.itemsize)
+    return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes)
 
 
 def offload_experience(store: PayloadStore, experience: Experience,
@@ -48,12 +56,12 @@ def offload_experience(store: PayloadStore, experience: Experience,
     """Moves the experience's token-axis fields and `extras` into `store`. Returns the light
     experience (token-axis lists empty) and the reference that `restore_experience` undoes."""
     extras = extras or {}
-    clashes = set(extras) & (set(TOKEN_FIELDS) | set(OPTIONAL_TOKEN_FIELDS))
+    clashes = set(extras) & (set(TOKEN_FIELDS) | set(OPTIONAL_TOKEN_FIELDS) | {ROUTES_FIELD})
     if clashes:
         raise ValueError(f"extra payload tensors may not be named like token-axis fields: {sorted(clashes)}")
     ref = store.offload({**experience_tensors(experience), **extras})
     light = dataclasses.replace(experience, token_ids=[], action_mask=[], behavior_logprobs=[],
-                                policy_versions=[], temperatures=None, info=dict(experience.info))
+                                policy_versions=[], temperatures=None, routed_experts=None, info=dict(experience.info))
     return light, ref
 
 
@@ -65,6 +73,7 @@ def restore_experience(light: Experience,
         raise ValueError(f"payload lacks token-axis fields {sorted(missing)}; it has {sorted(tensors)}")
     fields = {name: tensors[name].tolist() for name in TOKEN_FIELDS}
     fields.update({name: tensors[name].tolist() if name in tensors else None for name in OPTIONAL_TOKEN_FIELDS})
+    fields[ROUTES_FIELD] = tensors.get(ROUTES_FIELD)
     extras = {name: t for name, t in tensors.items() if name not in fields}
     return dataclasses.replace(light, **fields), extras
 
