@@ -20,6 +20,7 @@ from molt.actor import Actor, PolicyLoss, WindowResult, summarize_windows
 from molt.batch import MicroBatch, compute_group_advantages
 from molt.config import GROUP_ESTIMATORS, MoltConfig
 from molt.critic import Critic, build_reference_model, build_value_model, compute_reference_logprobs
+from molt.diagnostics import StepDiagnostics
 from molt.objectives import (AdaptiveKLController, compute_gae_advantages, compute_kl_estimate,
                              compute_reinforce_pp_advantages, whiten)
 from molt.objectives.advantages import Moments, masked_moments
@@ -91,7 +92,8 @@ class Learner:
         if self.critic is not None and "critic_lr_schedule" in state:
             self.critic.load_schedule_state(state["critic_lr_schedule"])
 
-    def train_step(self, windows: list[list[MicroBatch]], info: BatchInfo) -> dict[str, float]:
+    def train_step(self, windows: list[list[MicroBatch]], info: BatchInfo,
+                   diagnostics: StepDiagnostics | None = None) -> dict[str, float]:
         """Fill in the objective's inputs, then run `ppo_epochs` passes over the optimizer windows
         (PPO mini-batches), one actor (and critic) optimizer step each; metrics for the step.
 
@@ -99,9 +101,17 @@ class Learner:
         than one optimizer step, a no-grad pass first records the proximal log-probs the decoupled
         PPO ratio is taken against. A window whose loss or gradient norm is not finite takes no
         step and ends the step's policy updates ("skipped_nonfinite"; "updated" says whether any
-        window stepped)."""
+        window stepped).
+
+        `diagnostics` (molt.diagnostics) checks every micro-batch's model inputs and takes the
+        log-probs of the forwards before the step's first update, no extra forward: the proximal
+        pass when there is one, else the first window's (all of the step's tokens when it has one
+        window; with several and no importance correction, only the first window's)."""
         windows = [[micro_batch.to(self.device) for micro_batch in window] for window in windows]
         micro_batches = [micro_batch for window in windows for micro_batch in window]
+        if diagnostics is not None:
+            for micro_batch in micro_batches:
+                diagnostics.check_model_inputs(micro_batch)
         metrics: dict[str, float] = self._padding_share(micro_batches)
         if self.reference is not None:
             metrics.update(self._score_reference(micro_batches))
@@ -112,9 +122,10 @@ class Learner:
         loss = self.policy_loss()
         if loss.importance is not None and len(windows) * self.ppo_epochs > 1:
             for micro_batch in micro_batches:
-                micro_batch.proximal_logprobs = self.actor.score(micro_batch) * micro_batch.action_mask
+                micro_batch.proximal_logprobs = self.actor.score(micro_batch, diagnostics) * micro_batch.action_mask
+            diagnostics = None  # taken from the proximal pass
         metrics["lr"] = self.actor.lr
-        results, critic_metrics = self._run_windows(windows, loss)
+        results, critic_metrics = self._run_windows(windows, loss, diagnostics)
         metrics.update(summarize_windows(results, loss, num_windows=len(windows)))
         metrics["skipped_nonfinite"] = float(not all(result.stepped for result in results))
         metrics["updated"] = float(any(result.stepped for result in results))
@@ -129,11 +140,14 @@ class Learner:
             metrics["kl_coef"] = self.kl_coef
         return metrics
 
-    def _run_windows(self, windows: list[list[MicroBatch]], loss: PolicyLoss) -> tuple[list[WindowResult], dict]:
+    def _run_windows(self, windows: list[list[MicroBatch]], loss: PolicyLoss,
+                     diagnostics: StepDiagnostics | None = None) -> tuple[list[WindowResult], dict]:
+        """`diagnostics` goes to the first window only: the one whose forward precedes every update."""
         results, critic_results = [], []
         for _ in range(self.ppo_epochs):
             for window in windows:
-                result = self.actor.train_window(window, loss)
+                result = self.actor.train_window(window, loss, diagnostics)
+                diagnostics = None
                 results.append(result)
                 if not result.stepped:  # the step's updates end here, the critic's with the actor's
                     return results, _mean_metrics(critic_results)

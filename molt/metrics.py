@@ -85,8 +85,11 @@ class MetricsLogger:
         self._prompts_file.write(json.dumps({"step": step, "trained": trained, "dropped": dropped}) + "\n")
         self._prompts_file.flush()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one step; each JSONL line is flushed, so a killed run keeps every finished step."""
+    def log(self, step: int, metrics: dict[str, float],
+            histograms: dict[str, tuple[list[float], list[float]]] | None = None) -> None:
+        """Record one step; each JSONL line is flushed, so a killed run keeps every finished step.
+        `histograms`: name -> (counts, bin edges, one more than counts), drawn by W&B only (the
+        JSONL has their quantiles among `metrics`); empty ones are left out."""
         if not self.enabled:
             return
         values = {key: float(value) for key, value in metrics.items()}
@@ -101,7 +104,8 @@ class MetricsLogger:
         if self._wandb_run is not None:
             # The trainer step is a logged value, not W&B's own step: a resumed job re-logs the steps
             # after its checkpoint, and W&B drops any step below the last one it saw (see _start_wandb).
-            self._wandb_run.log({**values, WANDB_STEP_METRIC: step}, step=self._wandb_step)
+            charts = _wandb_histograms(histograms or {})
+            self._wandb_run.log({**values, **charts, WANDB_STEP_METRIC: step}, step=self._wandb_step)
             self._wandb_step += 1
 
     def close(self) -> None:
@@ -128,6 +132,13 @@ class MetricsLogger:
         if key not in self.nonfinite_counts:
             logger.warning("metric %s is %s at step %d; logged as null (warned once per key)", key, value, step)
         self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
+
+
+def _wandb_histograms(histograms: dict[str, tuple[list[float], list[float]]]) -> dict:
+    import wandb  # only reached with a W&B run, which imported it
+
+    return {name: wandb.Histogram(np_histogram=(counts, edges)) for name, (counts, edges) in histograms.items()
+            if any(counts)}
 
 
 def _count_lines(path: Path) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from molt.actor import Actor, build_actor_model, choose_layout
-from molt.batch import build_windows, share_step_batch
+from molt.batch import MicroBatch, build_windows, share_step_batch
 from molt.checkpoint import (STOP_REQUEST, checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id,
                              resolve_resume, save_checkpoint)
 from molt.config import MoltConfig
@@ -21,6 +21,8 @@ from molt.controller import (ROLLOUT_RANK_STOP_SECONDS, FailedStepStreak, Rollou
                              compute_staleness)
 from molt.dataset import PromptRow
 from molt.experience import Experience
+from molt.diagnostics import (PREFIX, WATCHED_RATIOS, DiagnosticsReport, DropWatcher, StepDiagnostics,
+                              count_digest_mismatches)
 from molt.learner import BatchInfo, Learner, optimizer_settings
 from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.parallelize import ShardingPlan, TrainerMesh
@@ -100,6 +102,7 @@ class Trainer:
         self.last_updated_step = 0  # the last step that changed the weights (0: none this run)
         self.failed_steps = FailedStepStreak(cfg.agent.max_failed_steps)
         self.progress = StepProgress(total_steps=cfg.train.num_steps, enabled=self.is_controller)
+        self.drop_watch = DropWatcher(WATCHED_RATIOS)
 
     def train(self) -> None:
         first_step = self.resume() + 1
@@ -122,7 +125,9 @@ class Trainer:
                     max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch,
                     pad_token_id=self.pad_token_id, layout=self.micro_batch_layout,
                     temperature=self.cfg.rollout.temperature)
-                train_metrics = self.learner.train_step(windows, info)
+                diagnostics = self.check_trace(step, experiences, windows)
+                train_metrics = self.learner.train_step(windows, info, diagnostics)
+                report = self.report_diagnostics(step, diagnostics)
                 self.release_payloads()
             self.count_nonfinite(step, train_metrics)
             if train_metrics["updated"]:
@@ -132,13 +137,13 @@ class Trainer:
             pending_check = {}
             step_seconds = time.perf_counter() - started
             step_metrics = {**rollout_metrics, **{f"train/{k}": v for k, v in train_metrics.items()},
-                            **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
+                            **report.metrics, **check_metrics, **self.timer.pop(), "time/step_seconds": step_seconds,
                             "refit/failed_attempts": float(self.refit_failures),
                             "train/skipped_nonfinite_steps": float(self.skipped_nonfinite_steps),
                             "policy_version": float(self.policy_version),
                             **process_resources("trainer_rank0"),
                             "throughput/tokens_per_second": rollout_metrics.get("rollout/tokens", 0) / step_seconds}
-            self.metrics.log(step, step_metrics)
+            self.metrics.log(step, step_metrics, histograms=report.histograms)
             self.progress.update(step, step_metrics)
             self.stop_after_nonfinite_streak(step)
             interval = self.cfg.checkpoint.interval_steps
@@ -149,6 +154,32 @@ class Trainer:
             if stopping:
                 break
         self.shutdown()
+
+    def check_trace(self, step: int, experiences: list[Experience], windows: list[list[MicroBatch]]) -> StepDiagnostics:
+        """The step's diagnostics (molt.diagnostics), starting with the end-to-end token check: this
+        rank's micro-batch rows against the digest the rollout rank took of what the engine sampled.
+        A mismatch is an error naming the step and the rollouts: those tokens were sampled by no policy."""
+        diagnostics = StepDiagnostics(self.device)
+        mismatched, rollout_ids = count_digest_mismatches(
+            [micro_batch for window in windows for micro_batch in window], experiences)
+        diagnostics.add_sum("token_mismatches", mismatched)
+        if mismatched:
+            logger.error("step %d: %d action tokens of rollouts %s differ from the ids the engine sampled (their "
+                         "action digest): the trainer is not training on its own samples",
+                         step, mismatched, rollout_ids)
+        return diagnostics
+
+    def report_diagnostics(self, step: int, diagnostics: StepDiagnostics) -> DiagnosticsReport:
+        """The step's diagnostics over the data-parallel ranks (collective); rank 0 warns on a
+        sudden drop of a watched ratio and on any token mismatch."""
+        report = diagnostics.reduce(self.learner.group)
+        if self.is_controller:
+            self.drop_watch.observe(step, report.metrics)
+            for name in ("token_mismatches", "model_input_mismatches"):
+                if report.metrics[PREFIX + name]:
+                    logger.error("step %d: %s%s = %d, must be 0 (each trainer rank's log names its rollouts)",
+                                 step, PREFIX, name, report.metrics[PREFIX + name])
+        return report
 
     def count_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Count a step whose loss or gradient norm was not finite (every rank sees the same all-reduced
