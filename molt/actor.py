@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -26,6 +27,7 @@ from molt.objectives import (compute_entropy_bonus, compute_importance_weights, 
                              compute_ppo_clip_loss, token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
 from molt.parallelize import ShardingPlan, TrainerMesh, shard_model
+from molt.routing_replay import RoutingReplay
 
 logger = logging.getLogger("molt")
 
@@ -211,6 +213,7 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # KL-to-reference term in the loss; needs MicroBatch.ref_logprobs when > 0
     kl_estimator: str = "k3"
+    router_aux_coef: float = 0.0  # MoE: the model's load-balancing loss (needs Actor.routing keeping logits)
 
 
 def set_gradient_sum_reduction(model: nn.Module) -> None:
@@ -342,15 +345,29 @@ class TrainableModel:
 class Actor(TrainableModel):
     """The policy being trained (see TrainableModel). Micro-batches are scored at their tokens' own
     sampling temperatures (`MicroBatch.temperatures`); `temperature`, the run's, is for
-    `compute_logprobs` and the micro-batches built here (`choose_layout`)."""
+    `compute_logprobs` and the micro-batches built here (`choose_layout`). `routing`: an MoE
+    model's routers (molt.routing_replay), handed each micro-batch's recorded routes."""
 
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, **settings) -> None:
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, routing: RoutingReplay | None = None,
+                 **settings) -> None:
         super().__init__(model, **settings)
         self.temperature = temperature
+        self.routing = routing
 
-    def train_window(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> WindowResult:
-        """One optimizer step over the window's micro-batches (skipped if anything is not finite)."""
-        sums = self.compute_window_gradients(micro_batches, loss)
+    def routes_of(self, micro_batch: MicroBatch) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward: its recorded routes for the routers (a no-op
+        for a dense model)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        scored = micro_batch.model_layout(predicts_action(micro_batch.action_mask), fill=False)
+        attention_mask = micro_batch.model_layout(micro_batch.attention_mask, fill=0)
+        return self.routing.use(micro_batch.model_routed_experts(), scored, attention_mask)
+
+    def train_window(self, micro_batches: list[MicroBatch], loss: PolicyLoss,
+                     diagnostics: StepDiagnostics | None = None) -> WindowResult:
+        """One optimizer step over the window's micro-batches (skipped if anything is not finite);
+        `diagnostics`, when given, takes each micro-batch's log-probs and entropy (molt.diagnostics)."""
+        sums = self.compute_window_gradients(micro_batches, loss, diagnostics)
         names = sorted(sums)  # every rank has the same terms, so the same names
         totals = torch.stack([sums[name] for name in names])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
@@ -358,7 +375,8 @@ class Actor(TrainableModel):
         grad_norm, stepped = self.step_optimizer(loss_is_finite=math.isfinite(total["loss"]))
         return WindowResult(totals=total, grad_norm=grad_norm, stepped=stepped)
 
-    def compute_window_gradients(self, micro_batches: list[MicroBatch], loss: PolicyLoss) -> dict[str, torch.Tensor]:
+    def compute_window_gradients(self, micro_batches: list[MicroBatch], loss: PolicyLoss,
+                                 diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor]:
         """Accumulate the token-mean gradient of the window into `.grad`.
 
         Every term divides by the window's action-token count over all micro-batches and ranks
@@ -371,20 +389,29 @@ class Actor(TrainableModel):
         sums: dict[str, torch.Tensor] = {}
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
-            terms, stats = self._micro_batch_loss(micro_batch, loss, denominator)
-            total = sum(terms)
-            total.backward()
+            with self.routes_of(micro_batch):  # activation checkpointing reruns the forward in backward
+                terms, stats = self._micro_batch_loss(micro_batch, loss, denominator, diagnostics)
+                total = sum(terms)
+                total.backward()
             stats["loss"] = total.detach()
             for name, value in stats.items():
                 sums[name] = sums.get(name, 0) + value.detach().to(torch.float64)
         return sums
 
-    def _micro_batch_loss(self, micro_batch: MicroBatch, loss: PolicyLoss,
-                          denominator: float) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    def _micro_batch_loss(self, micro_batch: MicroBatch, loss: PolicyLoss, denominator: float,
+                          diagnostics: StepDiagnostics | None = None
+                          ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """The loss terms of one micro-batch and their statistics (masked sums)."""
         mask = micro_batch.action_mask
-        logprobs, entropy = score_micro_batch(self.model, micro_batch, with_entropy=loss.entropy_coef > 0)
+        logprobs, entropy = score_micro_batch(self.model, micro_batch,
+                                              with_entropy=loss.entropy_coef > 0 or diagnostics is not None)
+        if diagnostics is not None:
+            diagnostics.add_logprobs(logprobs, micro_batch.behavior_logprobs, entropy, mask)
         stats: dict[str, torch.Tensor] = {}
+        aux_loss = None
+        if self.routing is not None:
+            self.routing.report(diagnostics)
+            aux_loss = self.routing.load_balancing_loss()
         weights, ratio_base = None, micro_batch.behavior_logprobs
         if loss.importance is not None:
             # Decoupled PPO: the ratio is taken against the proximal policy (the actor before the
@@ -414,13 +441,26 @@ class Actor(TrainableModel):
                                                          denominator=denominator)
             terms.append(bonus)
             stats.update(entropy_stats)
+        if loss.router_aux_coef > 0 and aux_loss is not None:
+            # The model's per-token-mean auxiliary loss, weighted by this micro-batch's share of the
+            # window's action tokens, so the window's terms add up to one mean like every other term.
+            share = mask.sum() / denominator
+            terms.append(loss.router_aux_coef * aux_loss * share)
+            stats["router_aux_loss_sum"] = aux_loss.detach() * mask.sum()
         return terms, stats
 
     @torch.no_grad()
-    def score(self, micro_batch: MicroBatch) -> torch.Tensor:
-        """[batch, seq] token log-probs of a micro-batch under the current weights (collective)."""
+    def score(self, micro_batch: MicroBatch, diagnostics: StepDiagnostics | None = None) -> torch.Tensor:
+        """[batch, seq] token log-probs of a micro-batch under the current weights (collective);
+        `diagnostics`, when given, takes them with the entropy (molt.diagnostics)."""
         self.model.eval()
-        logprobs, _ = score_micro_batch(self.model, micro_batch.to(self.device))
+        micro_batch = micro_batch.to(self.device)
+        with self.routes_of(micro_batch):
+            logprobs, entropy = score_micro_batch(self.model, micro_batch, with_entropy=diagnostics is not None)
+            if self.routing is not None:
+                self.routing.report(diagnostics)
+        if diagnostics is not None:
+            diagnostics.add_logprobs(logprobs, micro_batch.behavior_logprobs, entropy, micro_batch.action_mask)
         # FSDP2 keeps the root unit's parameters gathered after a forward with no backward; a
         # later forward would then reuse them even after the optimizer changed the shards.
         self.model.reshard()
@@ -465,7 +505,14 @@ def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_wind
         metrics["ref_kl"] = total["ref_kl_sum"] * per_token
     if "entropy_sum" in total:
         metrics["entropy"] = total["entropy_sum"] * per_token
+    if "router_aux_loss_sum" in total:
+        metrics["router_aux_loss"] = total["router_aux_loss_sum"] * per_token
     return metrics
+
+
+def predicts_action(action_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool: the positions whose logits score an action token (t - 1 for token t)."""
+    return F.pad(action_mask[..., 1:], (0, 1)) > 0
 
 
 def packing_layout(model: nn.Module) -> str:

@@ -294,6 +294,12 @@ class AlgorithmConfig(ConfigSection):
     max_backfill_prompts: int = 32
     """Most extra prompts one step dispatches to replace lost groups (32 = 4 x the default
     prompts_per_step); past it the step trains on fewer groups and warns. 0 = filter, never backfill."""
+    routing_replay: bool = False
+    """MoE: the trainer's forward routes each token to the experts the engine recorded for it (R3,
+    rollout.capture_routes), live routing where none was recorded; the router keeps its gradient."""
+    router_aux_loss_coef: float | None = None
+    """MoE: weight of the model's own load-balancing loss (per token, as its Hugging Face class
+    computes it); None = the model config's router_aux_loss_coef, 0 = off."""
 
 
 @dataclass(kw_only=True)
@@ -722,6 +728,12 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
           f"(e.g. (0.0, 1.0) drops all-wrong and all-right groups of 0/1 rewards)")
     check(algo.max_backfill_prompts >= 0,
           f"algorithm.max_backfill_prompts={algo.max_backfill_prompts}: must be >= 0 (0 never backfills)")
+    check(algo.router_aux_loss_coef is None or algo.router_aux_loss_coef >= 0,
+          f"algorithm.router_aux_loss_coef={algo.router_aux_loss_coef}: must be >= 0 (0 = off), or None for the "
+          f"model config's router_aux_loss_coef")
+    check(not algo.routing_replay or getattr(rollout, "capture_routes", None) is not False,
+          "algorithm.routing_replay=True replays the routes the engines record, but rollout.capture_routes=False "
+          "records none: leave rollout.capture_routes unset (on for MoE models) or set it True")
     check(not algo.filter_groups or rollout.n_samples_per_prompt > 1,
           f"algorithm.filter_groups=True needs rollout.n_samples_per_prompt > 1 (got "
           f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")

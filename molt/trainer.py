@@ -27,6 +27,7 @@ from molt.learner import BatchInfo, Learner, optimizer_settings
 from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.parallelize import ShardingPlan, TrainerMesh
 from molt.payloads import PayloadClient, PayloadRef, default_node_id, reload_record
+from molt.routing_replay import RoutingReplay
 from molt.weight_sync import RefitError, RefitSendError, build_sender, engine_first_rank, refit_world_size
 from molt.wire import ControllerAddress, Router, connect_dealer, pack, unpack
 
