@@ -505,6 +505,9 @@ def _convert(raw: str, hint, key: str):
                 values = [v.strip() for v in raw.strip("[]").split(",") if v.strip()]  # norms,biases
             return origin(item_type(v) for v in values)
         if origin in (typing.Union, types.UnionType):
+            members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            if len(members) == 1:  # X | None: none/null, or an X (rollout.capture_routes=False)
+                return None if raw.lower() in ("none", "null") else _convert(raw, members[0], key)
             return json.loads(raw)
         if origin is dict:  # a JSON object: rollout.engine_args='{"max_num_seqs": 64}'
             value = json.loads(raw)

@@ -35,6 +35,12 @@ def test_overrides_are_typed():
     # A tuple of names takes a plain comma list as well as JSON.
     assert load_config(DEMO, ["train.no_weight_decay_on=norms,biases"]).train.no_weight_decay_on == ("norms", "biases")
     assert load_config(DEMO, ['train.no_weight_decay_on=["embeddings"]']).train.no_weight_decay_on == ("embeddings",)
+    # X | None: the X's own spelling, or none/null.
+    optional = load_config(DEMO, ["rollout.capture_routes=False", "algorithm.router_aux_loss_coef=0.01"])
+    assert optional.rollout.capture_routes is False and optional.algorithm.router_aux_loss_coef == 0.01
+    assert load_config(DEMO, ["rollout.capture_routes=none"]).rollout.capture_routes is None
+    with pytest.raises(ConfigError, match="capture_routes='maybe': expected bool | None"):
+        load_config(DEMO, ["rollout.capture_routes=maybe"])
 
 
 @pytest.mark.parametrize("item, expected", [
