@@ -5,7 +5,6 @@ routed-expert parameter count."""
 
 import json
 import math
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from safetensors import safe_open
 from distributed import run_ranks
 from test_export_hf import PROBE, _load_tool, _train_and_save
+from test_refit import refit_outside_vllm
 from test_train_e2e import DEMO, VARIED_AGENT, _job_sets, _torchrun
 from transformers import AutoConfig
 
@@ -21,7 +21,6 @@ from molt.config import load_config
 from molt.dry_run import dry_run_report
 from molt.hf_checkpoint import SAFETENSORS_FILE, build_empty_model, load_sharded_weights
 from molt.refit import RefitSender
-from molt.refit_receiver import RefitReceiver
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_RECIPE = f"{DEMO}:moe"
@@ -60,11 +59,6 @@ def test_the_dry_run_counts_dense_and_routed_expert_parameters(tmp_path, moe_mod
     assert any(line.startswith("model: Qwen3MoeForCausalLM") for line in lines)
 
 
-class StandaloneReceiver(RefitReceiver):  # outside vLLM: no tensor-parallel state to ask
-    def molt_tensor_parallel_rank(self) -> int:
-        return 0
-
-
 def test_a_refit_sends_the_fused_experts_as_the_checkpoint_stored_them(moe_model_dir):
     """The trainer holds transformers' fused experts (gate_up_proj [experts, 2 x inter, hidden],
     down_proj [experts, hidden, inter]); the refit sends what the checkpoint holds, one tensor per
@@ -74,20 +68,7 @@ def test_a_refit_sends_the_fused_experts_as_the_checkpoint_stored_them(moe_model
     model = build_empty_model(str(moe_model_dir), dtype=torch.float32)
     load_sharded_weights(model, str(moe_model_dir), device=torch.device("cpu"))
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 256, 128)  # fused in the trainer
-    sender = RefitSender(model, is_sender=True, bucket_bytes=100 << 10, timeout_seconds=30)
-    port = sender.group_message("127.0.0.1", 2)["port"]
-    receiver, received = StandaloneReceiver(), {}
-
-    def receive():
-        receiver.molt_join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_seconds=30,
-                                       plan=sender.wire_plan)
-        received.update({name: tensor.clone() for name, tensor in receiver.molt_stream_weights()})
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    sender.connect()
-    sender.broadcast()
-    thread.join(30)
+    _, _, received = refit_outside_vllm(RefitSender(model, is_sender=True, bucket_bytes=100 << 10, timeout_seconds=30))
     stored = checkpoint_tensors(moe_model_dir)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in stored  # per expert on disk
     assert received.keys() == stored.keys()
@@ -119,11 +100,15 @@ def test_the_moe_recipe_trains_and_every_refit_reaches_the_experts(tmp_path, moe
     """Three streaming steps of the recipe (an Env whose reward varies within a group, so every step
     has a gradient); after each one's refit the engine scores a probe like the trainer, within 1e-4.
     An expert the refit missed, loaded into the wrong slot or left unpacked for the CPU kernel fails
-    the check (experts left unpacked gave gaps of 0.15-0.18)."""
+    the check (experts left unpacked gave gaps of 0.15-0.18). Routes are captured (the MoE default)
+    and replayed: every position that predicts a sampled token has one (R3 coverage 1), the trainer's
+    routers agree with the engine's on the first step's tokens (fp32 both), and no trained token
+    differs from a sampled one."""
     out = tmp_path / "run"
     sets = _job_sets(moe_model_dir, demo_data_dir, out, **{
         "agent.path": VARIED_AGENT, "refit.check_every_steps": 1, "train.learning_rate": 1e-3,
-        "rollout.max_response_tokens": 4, "algorithm.max_staleness": 1, "rollout.partial_rollout": True})
+        "rollout.max_response_tokens": 4, "algorithm.max_staleness": 1, "rollout.partial_rollout": True,
+        "algorithm.routing_replay": True})
     done = _torchrun(2, MOE_RECIPE, sets)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -132,5 +117,10 @@ def test_the_moe_recipe_trains_and_every_refit_reaches_the_experts(tmp_path, moe
     for row in steps:
         assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
         assert row["policy_version"] == row["step"], row  # each step pushed its weights
+        assert row["diagnostics/r3_coverage"] == 1.0, row
+        assert row["diagnostics/token_mismatches"] == 0 and row["diagnostics/model_input_mismatches"] == 0, row
+    # Step 1 trains on tokens its own weights sampled: the routers agree but for near ties. Later steps
+    # train on tokens sampled one version back, whose routes the update has moved (0.32-0.92 seen).
+    assert steps[0]["diagnostics/route_alignment"] > 0.95, steps[0]
     gaps = [r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r]
     assert len(gaps) == 4 and all(gap <= 1e-4 for gap in gaps), gaps  # before training, and after each step

@@ -145,20 +145,15 @@ def _restore_engine_weights(engine, model_dir, plan) -> None:
     received.result(60)
 
 
-def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_path):
-    """fp32 master weights, a bf16 engine: the plan names bfloat16, the wire carries 2-byte values,
-    and what arrives is each weight cast to bf16."""
-    from transformers import AutoModelForCausalLM
-
+def refit_outside_vllm(sender: RefitSender):
+    """One broadcast of `sender` into a RefitReceiver in a thread, outside vLLM: (bytes sent, the
+    receiver, {name: tensor} as received)."""
     from molt.refit_receiver import RefitReceiver
 
-    class StandaloneReceiver(RefitReceiver):  # outside vLLM: no tensor-parallel state to ask
+    class StandaloneReceiver(RefitReceiver):  # no tensor-parallel state to ask
         def molt_tensor_parallel_rank(self) -> int:
             return 0
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=30, engine_dtype="bfloat16")
-    assert {entry[1] for bucket in sender.wire_plan for entry in bucket} == {"bfloat16"}
     port = sender.group_message("127.0.0.1", 2)["port"]
     receiver, received = StandaloneReceiver(), {}
 
@@ -172,6 +167,18 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
     sender.connect()
     sent = sender.broadcast()
     thread.join(30)
+    return sent, receiver, received
+
+
+def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_path):
+    """fp32 master weights, a bf16 engine: the plan names bfloat16, the wire carries 2-byte values,
+    and what arrives is each weight cast to bf16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    sender = RefitSender(model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=30, engine_dtype="bfloat16")
+    assert {entry[1] for bucket in sender.wire_plan for entry in bucket} == {"bfloat16"}
+    sent, receiver, received = refit_outside_vllm(sender)
     parameters = dict(model.named_parameters())
     assert sent == sum(p.numel() * 2 for p in parameters.values())
     assert received.keys() == parameters.keys()
