@@ -38,14 +38,15 @@ if TYPE_CHECKING:
     from molt.diagnostics import StepDiagnostics
 
 
-def find_routers(model: nn.Module) -> list[nn.Module]:
-    """The MoE routers of a Hugging Face causal LM, in layer order (the routes' layer axis)."""
+def find_routers(model: nn.Module) -> dict[int, nn.Module]:
+    """The MoE routers of a Hugging Face causal LM by decoder layer index (the routes' layer axis
+    counts every decoder layer; a dense layer's routes stay unknown)."""
     backbone = getattr(model, "model", model)
-    routers = []
-    for block in getattr(backbone, "layers", []):
+    routers = {}
+    for index, block in enumerate(getattr(backbone, "layers", [])):
         gate = getattr(getattr(block, "mlp", None), "gate", None)
         if gate is not None and all(hasattr(gate, name) for name in ("top_k", "num_experts", "weight")):
-            routers.append(gate)
+            routers[index] = gate
     return routers
 
 
@@ -57,12 +58,12 @@ class RoutingReplay:
     `aux_loss_coef`: the weight of the model's load-balancing loss; > 0 keeps each forward's
     router logits for `load_balancing_loss`."""
 
-    def __init__(self, routers: list[nn.Module], *, replay: bool, aux_loss_coef: float = 0.0) -> None:
-        self.routers = routers
+    def __init__(self, routers: dict[int, nn.Module], *, replay: bool, aux_loss_coef: float = 0.0) -> None:
+        self.routers = routers  # decoder layer index -> router
         self.replay = replay
         self.aux_loss_coef = aux_loss_coef
-        self.top_k = routers[0].top_k
-        self.num_experts = routers[0].num_experts
+        first = next(iter(routers.values()))
+        self.top_k, self.num_experts = first.top_k, first.num_experts
         self._routes: torch.Tensor | None = None  # [positions, layers, top_k] long, the forward's layout
         self._scored: torch.Tensor | None = None  # [positions] bool: predicts an action token
         self._counts: dict[str, torch.Tensor] = {}
@@ -85,8 +86,8 @@ class RoutingReplay:
         if aux_loss_coef is None:
             aux_loss_coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
         replay_routes = cls(routers, replay=replay, aux_loss_coef=aux_loss_coef)
-        for layer, router in enumerate(routers):
-            router.forward = functools.partial(_route, router, replay_routes, layer)
+        for order, (layer, router) in enumerate(routers.items()):
+            router.forward = functools.partial(_route, router, replay_routes, layer, order)
         return replay_routes
 
     @contextlib.contextmanager
@@ -107,9 +108,10 @@ class RoutingReplay:
             self._logits = []
 
     def take_counts(self) -> dict[str, torch.Tensor]:
-        """The last forward's counts (float64): `route_matched` and `route_compared` [layers] (scored
-        positions with a recorded route whose live top-k equals it / all of them), `route_covered`
-        and `route_scored` (scored positions with a recorded route / all of them)."""
+        """The last forward's counts (float64): `route_matched` and `route_compared` [MoE layers, in
+        order] (scored positions with a recorded route whose live top-k equals it / all of them),
+        `route_covered` and `route_scored` (scored positions with a recorded route at the first MoE
+        layer / all of them)."""
         counts, self._counts = self._counts, {}
         return counts
 
@@ -121,8 +123,8 @@ class RoutingReplay:
             return
         matched, compared = counts["route_matched"], counts["route_compared"]
         diagnostics.add_counts("route_alignment", matched.sum(), compared.sum())
-        for layer in range(len(matched)):
-            diagnostics.add_counts(f"route_alignment/layer_{layer}", matched[layer], compared[layer])
+        for order, layer in enumerate(self.routers):
+            diagnostics.add_counts(f"route_alignment/layer_{layer}", matched[order], compared[order])
         diagnostics.add_counts("r3_coverage", counts["route_covered"], counts["route_scored"])
 
     def load_balancing_loss(self) -> torch.Tensor | None:
@@ -130,18 +132,19 @@ class RoutingReplay:
         (transformers' `load_balancing_loss_func` of the model's module), or None if not kept."""
         if not self._logits:
             return None
-        module = sys.modules[type(self.routers[0]).__module__]
+        module = sys.modules[type(next(iter(self.routers.values()))).__module__]
         logits = tuple(self._logits)
         self._logits = []
         return module.load_balancing_loss_func(logits, self.num_experts, self.top_k, self._mask)
 
-    def _record(self, layer: int, live: torch.Tensor, recorded: torch.Tensor | None) -> None:
-        """Count, at the scored positions, which recorded routes the live router agrees with."""
+    def _record(self, order: int, live: torch.Tensor, recorded: torch.Tensor | None) -> None:
+        """Count, at the scored positions, which recorded routes the live router of the `order`-th
+        MoE layer agrees with (the first one starts a forward's counts)."""
         scored = self._scored
         if scored is None or scored.numel() != live.shape[0]:
             return
         num_layers = len(self.routers)
-        if layer == 0:
+        if order == 0:
             device = live.device
             self._counts = {"route_matched": torch.zeros(num_layers, dtype=torch.float64, device=device),
                             "route_compared": torch.zeros(num_layers, dtype=torch.float64, device=device),
@@ -153,26 +156,27 @@ class RoutingReplay:
             return
         known = (recorded[:, 0] != UNKNOWN) & scored
         same = (live.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1) & known
-        self._counts["route_matched"][layer] += same.sum()
-        self._counts["route_compared"][layer] += known.sum()
-        if layer == 0:
+        self._counts["route_matched"][order] += same.sum()
+        self._counts["route_compared"][order] += known.sum()
+        if order == 0:
             self._counts["route_covered"] += known.sum()
 
 
-def _route(router: nn.Module, replay: RoutingReplay, layer: int, hidden_states: torch.Tensor):
+def _route(router: nn.Module, replay: RoutingReplay, layer: int, order: int, hidden_states: torch.Tensor):
     """The router's forward (transformers' top-k router: softmax over the experts, top-k,
     renormalised when norm_topk_prob) with each position's experts taken from its recorded route
-    when replay is on and it has one."""
+    when replay is on and it has one. `layer`: the decoder layer (the routes' layer axis); `order`:
+    which MoE layer this is."""
     hidden_states = hidden_states.reshape(-1, router.weight.shape[-1])
     logits = F.linear(hidden_states, router.weight)  # [positions, experts]
     probs = F.softmax(logits, dtype=torch.float, dim=-1)
     live = torch.topk(probs, router.top_k, dim=-1).indices  # [positions, top_k]
     recorded = replay._routes
-    if recorded is not None and recorded.shape[0] != live.shape[0]:
-        raise RuntimeError(f"routing replay: the router of MoE layer {layer} got {live.shape[0]} positions, but the "
-                           f"micro-batch's routes cover {recorded.shape[0]}")
+    if recorded is not None and (recorded.shape[0] != live.shape[0] or recorded.shape[1] <= layer):
+        raise RuntimeError(f"routing replay: the router of decoder layer {layer} got {live.shape[0]} positions, but "
+                           f"the micro-batch's routes are {list(recorded.shape)} ([positions, layers, top_k])")
     recorded = None if recorded is None else recorded[:, layer]
-    replay._record(layer, live, recorded)
+    replay._record(order, live, recorded)
     chosen = live
     if replay.replay and recorded is not None:
         chosen = torch.where(recorded[:, :1] != UNKNOWN, recorded, live)

@@ -17,7 +17,7 @@ def build_model(seed: int = 0) -> transformers.Qwen3MoeForCausalLM:
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=NUM_EXPERTS,
         num_experts_per_tok=TOP_K, norm_topk_prob=True, router_aux_loss_coef=0.01)
     model = transformers.Qwen3MoeForCausalLM(config).float()
-    for router in find_routers(model):  # spread the router logits so the top-k is far from ties
+    for router in find_routers(model).values():  # spread the router logits so the top-k is far from ties
         torch.nn.init.normal_(router.weight, std=1.0)
     return model.eval()
 
@@ -26,7 +26,7 @@ def live_routes(model, input_ids: torch.Tensor) -> torch.Tensor:
     """[rows, len, layers, top_k] the experts each unpatched router picks."""
     picked = []
     hooks = [router.register_forward_hook(lambda module, args, output: picked.append(output[2]))
-             for router in find_routers(model)]
+             for router in find_routers(model).values()]
     with torch.no_grad():
         model(input_ids=input_ids)
     for hook in hooks:
@@ -110,7 +110,7 @@ def test_the_router_keeps_its_gradient_under_replay():
     replay = RoutingReplay.install(model, replay=True, aux_loss_coef=0.0)
     with replay.use(routes, torch.ones(1, 6, dtype=torch.bool), None):
         model(input_ids=input_ids).logits.square().mean().backward()
-    for router in find_routers(model):
+    for router in find_routers(model).values():
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
@@ -126,6 +126,35 @@ def test_load_balancing_loss_is_the_models_own():
         model(input_ids=input_ids, attention_mask=mask)
         got = replay.load_balancing_loss()
     assert got is not None and torch.allclose(got, expected, rtol=1e-6)
+
+
+def test_routes_are_indexed_by_decoder_layer_when_some_layers_are_dense():
+    """The routes' layer axis counts every decoder layer (as the engine records them); with layer 0
+    dense, the MoE router of layer 1 reads index 1, and index 0 is never read."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K, mlp_only_layers=[0])
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    assert list(find_routers(model)) == [1]
+    torch.nn.init.normal_(model.model.layers[1].mlp.gate.weight, std=1.0)
+    input_ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    picked = []
+    hook = model.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, output: picked.append(output[2]))
+    with torch.no_grad():
+        model(input_ids=input_ids)
+    hook.remove()
+    routes = torch.zeros(1, 6, 2, TOP_K, dtype=torch.int16)  # index 0: experts {0} twice, never a real route
+    routes[0, :, 1] = picked[0].to(torch.int16)
+    replay = RoutingReplay.install(model, replay=True)
+    with torch.no_grad(), replay.use(routes, torch.ones(1, 6, dtype=torch.bool), None):
+        got = model(input_ids=input_ids).logits
+        counts = replay.take_counts()
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert counts["route_matched"].tolist() == counts["route_compared"].tolist() == [6.0]
 
 
 def test_replay_on_a_dense_model_is_refused():
