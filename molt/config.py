@@ -171,6 +171,10 @@ class RolloutConfig(ConfigSection):
     group_affinity: bool = True
     """Run a group's rollouts on one engine (its prompt prefilled once, then prefix-cached) while load
     allows (molt.engine_router.EngineRouter); False: each rollout goes to the least-loaded engine."""
+    capture_routes: bool | None = None
+    """MoE: the engines record each token's top-k expert ids at every MoE layer (the trace's
+    routed_experts, molt.route_capture); None = on for MoE models, off for dense ones (True on a
+    dense model is refused)."""
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -55,7 +55,8 @@ DROP_REASONS = ("failed",  # it failed (refilled or not)
 ROLLOUT_RANK_STOP_SECONDS = 60.0  # longest wait at the end for the rollout ranks to stop their engines
 MAX_EXAMPLE_CHARACTERS = 500  # of a failed rollout's error quoted when the job stops for failed steps
 ENGINE_COUNTERS = ("rollout/prompt_tokens",  # prompt tokens submitted to the engines
-                   "rollout/prefill_tokens")  # ... of which computed (not vLLM prefix-cache hits)
+                   "rollout/prefill_tokens",  # ... of which computed (not vLLM prefix-cache hits)
+                   "rollout/unrouted_tokens")  # MoE: ... of which without a recorded route (molt.route_capture)
 
 
 class RolloutRankError(RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 import logging
@@ -9,8 +10,12 @@ import math
 import os
 from dataclasses import dataclass
 
+import torch
+
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
+from molt.route_capture import RouteTaker, count_unknown, native_routes, route_capture_path
+from molt.routes import pad_routes
 from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
 
 logger = logging.getLogger("molt")
@@ -26,6 +31,9 @@ class Generation:
     logprobs: list[float]  # [response_tokens] log-prob of each sampled token at the sampling temperature
     policy_versions: list[int]  # [response_tokens] weight version that sampled each token
     finish_reason: str  # 'stop' | 'length' | 'abort'
+    # Routed experts of the prompt and the response (molt.routes), -1 where not computed; None
+    # when capture is off or the model is dense.
+    routed_experts: torch.Tensor | None = None  # [prompt + response tokens, layers, top_k] int16
 
     @property
     def policy_version(self) -> int:
@@ -49,6 +57,8 @@ class GenerationDelta:
     stop_reason: str | int | None = None  # on the last delta: the stop string (or token id) that ended it
     # When asked (top_logprobs=k): per new token, the k most likely tokens as (id, log-prob), best first.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # On the last delta only: as Generation.routed_experts, for the whole prompt and response.
+    routed_experts: torch.Tensor | None = None  # [prompt + response tokens, layers, top_k] int16
 
 
 class EngineStartError(RuntimeError):
@@ -58,7 +68,8 @@ class EngineStartError(RuntimeError):
 class RolloutEngine:
     """One vLLM AsyncLLM (engine core in its own process) plus Molt's weight version."""
 
-    def __init__(self, llm, tokenizer, *, seed: int = 0, weight_sync: EngineWeightSync | None = None):
+    def __init__(self, llm, tokenizer, *, seed: int = 0, weight_sync: EngineWeightSync | None = None,
+                 route_capture: str | None = None):
         self.llm = llm
         self.tokenizer = tokenizer
         self.seed = seed
@@ -74,17 +85,27 @@ class RolloutEngine:
         # (the rest were vLLM prefix-cache hits). Rollout ranks report them as rank metrics.
         self.prompt_tokens = 0
         self.prefill_tokens = 0
+        # MoE routes (molt.route_capture): None = not recorded, 'workers' = recorded by the workers
+        # (CPU), 'native' = returned by vLLM itself (GPU).
+        self.route_capture = route_capture
+        self._route_taker = RouteTaker(llm) if route_capture == "workers" else None
+        self._route_capture_enabled: asyncio.Future | None = None
+        # Running total over `stream` requests of prompt positions without a recorded route (~0: a
+        # prefix-cache hit gets its blocks' routes; only blocks the workers never computed count).
+        self.unrouted_tokens = 0
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
         """Build the engine; raises EngineStartError saying what failed and which field to change."""
         from transformers import AutoTokenizer
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from molt.train import trainer_device_type
 
         backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg))
-        args = build_engine_args(cfg, seed=seed, backend=backend)
+        route_capture = route_capture_path(cfg, on_cpu=current_platform.is_cpu())
+        args = build_engine_args(cfg, seed=seed, backend=backend, native_routes=route_capture == "native")
         vllm_config = None
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -93,18 +114,19 @@ class RolloutEngine:
                                             disable_log_stats=args.disable_log_stats)
         except Exception as error:
             raise EngineStartError(describe_start_failure(cfg, vllm_config, error)) from error
-        return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend))
+        return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend), route_capture=route_capture)
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
         """The whole generation at once (one engine output, not one per step)."""
-        sampled, logprobs, versions, finish_reason = [], [], [], None
+        sampled, logprobs, versions, finish_reason, routes = [], [], [], None, None
         async for delta in self.stream(token_ids, sampling, incremental=False):
             sampled += delta.token_ids
             logprobs += delta.logprobs
             versions = delta.policy_versions or versions
             finish_reason = delta.finish_reason or finish_reason
+            routes = delta.routed_experts if delta.routed_experts is not None else routes
         return Generation(token_ids=sampled, logprobs=logprobs, policy_versions=versions,
-                          finish_reason=finish_reason or "abort")
+                          finish_reason=finish_reason or "abort", routed_experts=routes)
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
                      seed: int | None = None, incremental: bool = True,
@@ -124,12 +146,16 @@ class RolloutEngine:
         it samples does not depend on how vLLM happens to batch it with others. `top_logprobs`
         (k) adds each token's k most likely alternatives to the deltas. `constraint`: the keyword
         arguments of vLLM's StructuredOutputsParams (guided decoding; molt.endpoint.constraints);
-        the log-probs are then those of the constrained distribution the tokens were sampled from."""
+        the log-probs are then those of the constrained distribution the tokens were sampled from.
+        With route capture on (molt.route_capture), the last delta carries the routed experts of
+        the prompt and the response."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         version = self.policy_version  # used only if vLLM reports no version span
+        await self._enable_route_capture()
+        request_id = f"molt-stream-{next(self._request_ids)}"
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, logprobs=top_logprobs or 0, stop=stop,
                                     seed=self._sampling_seed(token_ids) if seed is None else seed,
@@ -137,7 +163,7 @@ class RolloutEngine:
                                     structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
         num_sampled = 0
         async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              request_id=f"molt-stream-{next(self._request_ids)}"):
+                                              request_id=request_id):
             completion = output.outputs[0]
             sampled = list(completion.token_ids)
             if not num_sampled:  # the request's first output (vLLM sends none without tokens until the last)
@@ -151,7 +177,33 @@ class RolloutEngine:
                 policy_versions=(token_versions(completion.weight_versions, num_sampled, version)
                                  if output.finished else None),
                 stop_reason=completion.stop_reason if output.finished else None,
-                top_logprobs=[top_alternatives(step, top_logprobs) for step in steps] if top_logprobs else None)
+                top_logprobs=[top_alternatives(step, top_logprobs) for step in steps] if top_logprobs else None,
+                routed_experts=(await self._take_routes(request_id, completion, len(token_ids), num_sampled)
+                                if output.finished else None))
+
+    async def _enable_route_capture(self) -> None:
+        """Have the workers record routes (once, before the first request that needs them)."""
+        if self.route_capture != "workers":
+            return
+        if self._route_capture_enabled is None:
+            self._route_capture_enabled = asyncio.ensure_future(self.llm.collective_rpc("molt_enable_route_capture"))
+        await self._route_capture_enabled
+
+    async def _take_routes(self, request_id: str, completion, num_prompt: int, num_sampled: int):
+        """[prompt + response tokens, layers, top_k] routes of a finished request (None when not
+        recorded), and the prompt positions without one added to unrouted_tokens."""
+        if self.route_capture is None:
+            return None
+        num_tokens = num_prompt + num_sampled
+        if self.route_capture == "native":
+            routes = native_routes(completion, num_tokens)
+        else:
+            recorded = await self._route_taker.take(request_id)
+            routes = None if recorded is None else pad_routes(recorded, num_tokens)
+            if recorded is None and num_sampled:  # it sampled, so its prompt's last token ran
+                logger.warning("the engine's workers recorded no routes for %s (%d tokens)", request_id, num_tokens)
+        self.unrouted_tokens += count_unknown(routes, num_prompt)
+        return routes
 
     def _sampling_seed(self, token_ids: list[int]) -> int:
         """A sampling seed from the policy version, the prompt ids and how many generations of that
@@ -262,6 +314,7 @@ MOLT_ENGINE_ARGS = {
     "weight_transfer_config": "set refit.backend",
     "logprobs_mode": "the trainer needs the log-probs of the distribution sampled from (processed_logprobs)",
     "enable_chunked_prefill": "Molt turns it off on CPU, where a seeded request cannot rewind its sampler",
+    "enable_return_routed_experts": "set rollout.capture_routes",
 }
 
 
@@ -288,8 +341,9 @@ def engine_args_errors(engine_args: dict) -> list[str]:
     return errors
 
 
-def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str):
-    """vLLM's AsyncEngineArgs of a rollout rank's engine: Molt's own settings, then rollout.engine_args."""
+def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str, native_routes: bool = False):
+    """vLLM's AsyncEngineArgs of a rollout rank's engine: Molt's own settings, then rollout.engine_args.
+    `native_routes`: vLLM returns each finished request's routed experts (GPU; molt.route_capture)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
 
@@ -327,6 +381,8 @@ def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str):
         # generator cannot do: the engine dies ("CPU Generator does not use offset"). On CPU
         # each prefill therefore runs whole (max_num_batched_tokens grows to max_model_len).
         enable_chunked_prefill=not current_platform.is_cpu(),
+        # Needs vLLM's V2 model runner (Triton) and prefix caching; never run on a GPU.
+        enable_return_routed_experts=native_routes,
     )
     return AsyncEngineArgs(**{**arguments, **cfg.rollout.engine_args})
 

@@ -32,13 +32,15 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from molt.route_capture import RouteCapture
 from molt.weight_sync import RefitError, Watchdog, bucket_num_bytes
 
 logger = logging.getLogger("molt")
 
 
-class RefitReceiver:
-    """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
+class RefitReceiver(RouteCapture):
+    """Mixed into vLLM's worker class; `self.model_runner` is the worker's. It also records MoE
+    routes (molt.route_capture), so a receiver_cls derived from it keeps doing so."""
 
     # -- gloo ----------------------------------------------------------------------------------
 

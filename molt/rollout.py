@@ -149,7 +149,8 @@ class RolloutService:
         # scan (the store's server thread reclaims), and /proc read about once a second.
         outcome["rank_metrics"] = {**self.payloads.metrics(reclaim=False), **self.resources.read(),
                                    "rollout/prompt_tokens_total": float(self.engine.prompt_tokens),
-                                   "rollout/prefill_tokens_total": float(self.engine.prefill_tokens)}
+                                   "rollout/prefill_tokens_total": float(self.engine.prefill_tokens),
+                                   "rollout/unrouted_tokens_total": float(self.engine.unrouted_tokens)}
         await self.send(outcome)
 
     async def join_refit(self, message: dict) -> None:

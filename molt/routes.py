@@ -1,7 +1,8 @@
 """Routed experts in a trace (DESIGN section 5): for every token of a segment, at every MoE layer,
 the top-k expert ids the engine routed it to, as a [tokens, layers, top_k] int16 tensor; -1 where
-the route is unknown (a prefix-cache hit the engine did not compute, the last sampled token, which
-the engine never runs through the model, a dense model's trace).
+the route is unknown (the last sampled token, which the engine never runs through the model; a
+dense layer; a prefix-cache hit on a block no worker recorded, which is rare: workers keep the
+routes of the cache blocks they computed, molt.route_capture).
 
 Position p's route is the one computed when the engine ran token p through the model, i.e. in the
 forward that produced the distribution token p + 1 was sampled from. Routing replay (R3, Ma et al.

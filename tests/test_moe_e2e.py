@@ -117,7 +117,7 @@ def test_the_moe_recipe_trains_and_every_refit_reaches_the_experts(tmp_path, moe
     for row in steps:
         assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
         assert row["policy_version"] == row["step"], row  # each step pushed its weights
-        assert row["diagnostics/r3_coverage"] == 1.0, row
+        assert row["diagnostics/r3_coverage"] == 1.0 and row["rollout/unrouted_tokens"] == 0, row
         assert row["diagnostics/token_mismatches"] == 0 and row["diagnostics/model_input_mismatches"] == 0, row
     # Step 1 trains on tokens its own weights sampled: the routers agree but for near ties. Later steps
     # train on tokens sampled one version back, whose routes the update has moved (0.32-0.92 seen).
