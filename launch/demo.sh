@@ -4,8 +4,9 @@
 # Extra arguments go to molt.train (e.g. --set train.num_steps=50).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_demo.sh"
-OUT="${MOLT_OUTPUT_DIR:-runs/demo}"
 RECIPE="${MOLT_DEMO_RECIPE:-configs/demo.py}"
+VARIANT="${RECIPE##*.py}"  # ':moe' for configs/demo.py:moe: its own run directory, runs/demo-moe
+OUT="${MOLT_OUTPUT_DIR:-runs/demo${VARIANT:+-${VARIANT#:}}}"
 
 echo "[demo] training $RECIPE; metrics -> $OUT/metrics.jsonl"
 started=$(date +%s)
