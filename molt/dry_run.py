@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, validate_config
+from molt.expert_parallel import count_experts
 from molt.placement import Placement, count_per_node, describe_launcher, place_ranks, span
 
 GIB = 2**30
@@ -166,8 +167,7 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
 
 
 def _active_params(hf_config, num_params: int, num_routed: int) -> int | None:
-    num_experts = next((getattr(hf_config, name) for name in ("num_experts", "n_routed_experts", "num_local_experts")
-                        if getattr(hf_config, name, None)), None)
+    num_experts = count_experts(hf_config)
     top_k = getattr(hf_config, "num_experts_per_tok", None)
     if not num_routed or not num_experts or not top_k:
         return None

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from molt.config import MoltConfig, parse_activation_checkpointing
-from molt.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from molt.expert_parallel import ExpertParallelExperts, apply_expert_parallel, count_experts
 
 TRAINER_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -314,7 +314,7 @@ def check_tensor_parallel_support(backbone: nn.Module, tp_size: int) -> None:
     """Refuse, naming the field, a model the tensor-parallel plan cannot split evenly or at all."""
     config = backbone.config
     field = f"layout.trainer_tensor_parallel_size={tp_size}"
-    if any(getattr(config, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts")):
+    if count_experts(config):
         raise ValueError(f"{field}: {type(backbone).__name__} is a mixture-of-experts model, and Molt does not "
                          f"tensor-parallelise experts; use trainer_tensor_parallel_size=1 (FSDP2 shards experts)")
     sizes = {"num_attention_heads": config.num_attention_heads,

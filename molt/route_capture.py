@@ -36,12 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from molt.expert_parallel import EXPERT_COUNT_FIELDS, count_experts
 from molt.routes import UNKNOWN, decode_routes, encode_routes, pad_routes, unknown_routes
 
 logger = logging.getLogger("molt")
 
-# Hugging Face config fields that give a model's routed-expert count (Qwen/OLMoE, DeepSeek, Mixtral).
-EXPERT_COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
 # How long a worker keeps the routes of a finished request nobody took (an aborted stream, a score
 # request), so that they cannot pile up.
 UNTAKEN_ROUTES_SECONDS = 120.0
@@ -60,8 +59,7 @@ def external_request_id(internal_id: str) -> str:
 
 def model_has_experts(hf_config) -> bool:
     """Whether a Hugging Face config describes a mixture-of-experts model."""
-    config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    return any(getattr(config, name, None) for name in EXPERT_COUNT_FIELDS)
+    return count_experts(hf_config) > 0
 
 
 def resolve_capture_routes(setting: bool | None, model_path: str) -> bool:
