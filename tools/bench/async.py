@@ -28,7 +28,6 @@ shared CPU cores, so the trainer waits for generation however far rollouts run a
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -38,17 +37,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench_fixtures import load_test_fixtures
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGENT = Path(__file__).resolve().parent / "long_tail_agent.py"
-
-
-def load_fixtures():
-    """The tests' generated-asset cache (tiny model, demo data in $MOLT_CACHE_DIR)."""
-    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
-                                                  REPO_ROOT / "tests" / "fixtures_models.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    return fixtures
 
 
 def run_job(args, model_dir: Path, data_dir: Path, out: Path, *, max_staleness: int) -> float:
@@ -124,7 +116,7 @@ def main() -> None:
                         help="hidden size of the generated 2-layer model (0: the tests' tiny model, 128)")
     parser.add_argument("--out-dir", default="runs/bench-async", help="the two jobs' run directories and logs")
     args = parser.parse_args()
-    fixtures = load_fixtures()
+    fixtures = load_test_fixtures()
     model_dir, data_dir = build_model(fixtures, args.hidden_size), fixtures.build_cached_demo_data()
     figures = {}
     for name, staleness in (("synchronous", 0), ("streaming", args.max_staleness)):

@@ -33,7 +33,6 @@ One run prints one JSON line per figure, then the command that produced them:
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -45,10 +44,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_fixtures import load_repo_module, load_test_fixtures
+
 # vLLM, the OpenAI SDK and molt are imported inside functions: vLLM's engine core is spawned and
 # re-imports this module, and should not pay for them.
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_LENGTH = 256
 MODEL_NAME = "molt-tiny"
 
@@ -69,14 +69,6 @@ class Workload:
     messages: list[list[dict]]  # [rollouts] chat messages of each rollout's prompt
     seeds: list[int]  # [rollouts] sampling seed of each rollout
     max_tokens: int
-
-
-def load_repo_module(relative_path: str, name: str):
-    """Import a repo file that is not part of a package (tests/ and tools/ are scripts)."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build_workload(num_rollouts: int, max_tokens: int, seed: int) -> Workload:
@@ -347,7 +339,7 @@ def main() -> None:
         raise SystemExit("--rollouts, --concurrency, --max-tokens, --rounds and --sequential-requests "
                          "must be at least 1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the JSON lines readable
-    fixtures = load_repo_module("tests/fixtures_models.py", "molt_tests_fixtures_models")
+    fixtures = load_test_fixtures()
     model_dir = fixtures.build_cached_tiny_model()
     asyncio.run(run_benchmark(args, model_dir))
     emit({"command": "python " + shlex.join(sys.argv)})

@@ -23,7 +23,6 @@ Figures over the steps after the warm-up ones, one JSON line each, then the comm
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -33,21 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+from bench_fixtures import load_test_fixtures
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGENT = REPO_ROOT / "configs" / "agents" / "addition.py"
 JOBS = {"capture_off": {"rollout.capture_routes": False},
         "capture_on": {"rollout.capture_routes": True},
         "replay": {"rollout.capture_routes": True, "algorithm.routing_replay": True}}
 QWEN3_30B_A3B = (48, 8)  # MoE layers, experts per token
-
-
-def load_fixtures():
-    """The tests' generated-asset cache (tiny models, demo data in $MOLT_CACHE_DIR)."""
-    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
-                                                  REPO_ROOT / "tests" / "fixtures_models.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    return fixtures
 
 
 def run_job(args, model_dir: Path, data_dir: Path, out: Path, settings: dict) -> float:
@@ -102,7 +94,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="model.dtype: the engine's and the trainer's forward")
     parser.add_argument("--out-dir", default="runs/bench-moe", help="the jobs' run directories and logs")
     args = parser.parse_args()
-    fixtures = load_fixtures()
+    fixtures = load_test_fixtures()
     model_dir, data_dir = fixtures.build_cached_tiny_model(preset="moe"), fixtures.build_cached_demo_data()
     config = json.loads((model_dir / "config.json").read_text())
     figures = {}

@@ -52,7 +52,6 @@ Per layout and bucket size, after one warm-up refit, --refits timed ones; one JS
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -66,6 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_fixtures import load_test_fixtures
 
 from molt.config import MoltConfig
 from molt.console import HEARTBEAT_SECONDS
@@ -93,11 +93,7 @@ LAYOUTS = {  # name -> (trainer tensor-parallel size, what the sender gathers fr
 
 def build_bench_model(preset: str, seed: int) -> Path:
     """The bench model, generated once into $MOLT_CACHE_DIR by the same cache the tests use."""
-    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
-                                                  TOOLS_DIR.parent / "tests" / "fixtures_models.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    return fixtures.build_cached_tiny_model(preset=preset, seed=seed)
+    return load_test_fixtures().build_cached_tiny_model(preset=preset, seed=seed)
 
 
 def count_model_bytes(model_dir: Path) -> int:

@@ -62,7 +62,6 @@ baseline. Variants alternate, --repeats times each, and the medians are reported
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -74,7 +73,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -83,6 +81,7 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
+from bench_fixtures import load_test_fixtures  # noqa: E402
 from molt.logprobs import compute_chunked_logprobs  # noqa: E402
 
 # The training figures import transformers and the rest of molt inside their functions: the loss
@@ -192,15 +191,6 @@ def init_single_rank() -> dist.ProcessGroup:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD
-
-
-def load_test_fixtures() -> ModuleType:
-    """tests/fixtures_models.py: the $MOLT_CACHE_DIR cache the tests use (tiny model, demo data)."""
-    spec = importlib.util.spec_from_file_location("molt_tests_fixtures_models",
-                                                  REPO_ROOT / "tests" / "fixtures_models.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    return fixtures
 
 
 def write_random_qwen3(out_dir: Path, sizes: dict, *, dtype: torch.dtype = torch.float32,
