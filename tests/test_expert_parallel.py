@@ -10,11 +10,11 @@ import transformers
 from distributed import run_ranks
 from test_actor import PAD, TEMPERATURE, make_experiences
 from test_dry_run import QWEN3_RECIPE, run_dry_run
+from test_tensor_parallel import rank_micro_batches
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from molt.actor import Actor, PolicyLoss, build_actor_model
-from molt.batch import assign_to_ranks, build_micro_batches
 from molt.checkpoint import load_checkpoint, save_checkpoint
 from molt.config import ConfigError, MoltConfig, validate_config
 from molt.critic import build_reference_model, build_value_model, compute_reference_logprobs
@@ -57,15 +57,6 @@ def full_gradients(model) -> dict[str, torch.Tensor | None]:
     """Each parameter's whole gradient (None for a frozen one)."""
     return {name: None if p.grad is None else p.grad.full_tensor().detach().clone()
             for name, p in model.named_parameters()}
-
-
-def rank_micro_batches(mesh, experiences, advantages) -> list:
-    mine = assign_to_ranks(experiences, mesh.dp_size)[mesh.dp_rank]
-    experiences, advantages = [experiences[i] for i in mine], [advantages[i] for i in mine]
-    half = len(experiences) // 2
-    return [build_micro_batches(experiences[part], advantages[part], max_tokens_per_micro_batch=10_000,
-                                pad_token_id=PAD, layout=layout, temperature=TEMPERATURE)[0]
-            for part, layout in ((slice(0, half), "padded"), (slice(half, None), "rows"))]
 
 
 def exp_avgs(actor) -> dict[str, torch.Tensor]:
