@@ -23,8 +23,8 @@ from molt.experience import Experience
 from molt.expert_parallel import freeze_routers
 from molt.hf_checkpoint import build_empty_model, load_sharded_weights
 from molt.logprobs import check_temperature, compute_chunked_logprobs
-from molt.objectives import (compute_entropy_bonus, compute_importance_weights, compute_kl_loss,
-                             compute_ppo_clip_loss, token_entropy_from_logits)
+from molt.objectives import (compute_cispo_loss, compute_entropy_bonus, compute_gspo_loss, compute_importance_weights,
+                             compute_kl_loss, compute_ppo_clip_loss, token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
 from molt.parallelize import ShardingPlan, TrainerMesh, shard_model
 from molt.routing_replay import RoutingReplay
@@ -213,6 +213,7 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # KL-to-reference term in the loss; needs MicroBatch.ref_logprobs when > 0
     kl_estimator: str = "k3"
+    kind: str = "ppo"  # ppo | gspo | cispo (algorithm.policy_loss); dual_clip is PPO's only
     router_aux_coef: float = 0.0  # MoE: the model's load-balancing loss (needs Actor.routing keeping logits)
 
 
@@ -425,10 +426,14 @@ class Actor(TrainableModel):
             weights, importance_stats = compute_importance_weights(
                 ratio_base, micro_batch.behavior_logprobs, mask, level=level, mode=mode, low=low, high=high)
             stats.update(importance_stats)
-        policy, policy_stats = compute_ppo_clip_loss(
-            logprobs, ratio_base, micro_batch.advantages, mask, clip_eps_low=loss.clip_eps_low,
-            clip_eps_high=loss.clip_eps_high, denominator=denominator, dual_clip=loss.dual_clip,
-            importance_weights=weights)
+        clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high, denominator=denominator,
+                    importance_weights=weights)
+        if loss.kind == "ppo":
+            policy, policy_stats = compute_ppo_clip_loss(logprobs, ratio_base, micro_batch.advantages, mask,
+                                                         dual_clip=loss.dual_clip, **clip)
+        else:
+            compute = compute_gspo_loss if loss.kind == "gspo" else compute_cispo_loss
+            policy, policy_stats = compute(logprobs, ratio_base, micro_batch.advantages, mask, **clip)
         stats.update(policy_stats)
         terms = [policy]
         if loss.kl_coef > 0:

@@ -254,6 +254,9 @@ class AlgorithmConfig(ConfigSection):
     """gae: the GAE lambda (1 = Monte-Carlo returns minus values)."""
     whiten_advantages: bool = True
     """gae: whiten the advantages over the batch's action tokens (reinforce_pp always whitens)."""
+    policy_loss: str = "ppo"
+    """ppo (clipped token ratios) | gspo (clipped sequence ratio, Zheng et al. 2025) | cispo (REINFORCE
+    with a clipped stop-gradient token weight, MiniMax-M1); formulas in docs/objectives.md."""
     clip_eps_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_eps_high: float = 0.2
@@ -673,6 +676,11 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(0 <= algo.clip_eps_low < 1, f"algorithm.clip_eps_low={algo.clip_eps_low}: must be in [0, 1)")
     check(algo.clip_eps_high >= 0, f"algorithm.clip_eps_high={algo.clip_eps_high}: must be >= 0")
     check(algo.dual_clip == 0 or algo.dual_clip > 1, f"algorithm.dual_clip={algo.dual_clip}: use 0 (off) or > 1")
+    check(algo.policy_loss in POLICY_LOSSES,
+          f"algorithm.policy_loss={algo.policy_loss!r}: use one of {', '.join(POLICY_LOSSES)}")
+    check(algo.dual_clip == 0 or algo.policy_loss == "ppo",
+          f"algorithm.dual_clip={algo.dual_clip} caps PPO's token terms; algorithm.policy_loss={algo.policy_loss!r} "
+          f"has none to cap: set dual_clip=0")
     level, mode, (low, high) = algo.importance_level, algo.importance_mode, algo.importance_band
     check(level in ("off", "token", "seq", "geo"),
           f"algorithm.importance_level={level!r}: use off, token, seq or geo")
@@ -770,6 +778,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
 

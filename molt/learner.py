@@ -74,7 +74,7 @@ class Learner:
         return PolicyLoss(clip_eps_low=algo.clip_eps_low, clip_eps_high=algo.clip_eps_high,
                           dual_clip=algo.dual_clip or None, importance=importance, entropy_coef=algo.entropy_coef,
                           kl_coef=self.kl_coef if algo.kl_placement == "loss" else 0.0,
-                          kl_estimator=algo.kl_estimator,
+                          kl_estimator=algo.kl_estimator, kind=algo.policy_loss,
                           router_aux_coef=self.actor.routing.aux_loss_coef if self.actor.routing else 0.0)
 
     def state_dict(self) -> dict:

@@ -2,6 +2,7 @@ import dataclasses
 import math
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 import transformers
@@ -328,3 +329,37 @@ def test_token_logprobs_match_naive_log_softmax(model_path):
             ]
             expected = torch.tensor(expected, dtype=torch.float64)
             torch.testing.assert_close(logprobs[i, : len(row)], expected, rtol=1e-9, atol=1e-9)
+
+
+def sequence_loss_rank(rank, world_size, model_path, experiences, advantages, kind):
+    """The actor's window gradient under algorithm.policy_loss=`kind`: one rank and one micro-batch
+    (rank 0), then the window split over 2 FSDP2 ranks and several micro-batches."""
+    loss = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, kind=kind)
+    results = {}
+    if rank == 0:
+        actor = make_actor(model_path, dist.new_group([0]), torch.float64, lr=1e-3)
+        one = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
+                                  temperature=TEMPERATURE)
+        results["1 rank"] = window_gradients(actor, one, loss)
+    else:
+        dist.new_group([0])
+    both = dist.new_group([0, 1])
+    actor = make_actor(model_path, both, torch.float64, lr=1e-3)
+    micro_batches = build_rank_micro_batches(experiences, advantages, both, budget=120)
+    assert len(micro_batches) >= 2
+    results["2 ranks"] = window_gradients(actor, micro_batches, loss)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["gspo", "cispo"])
+def test_sequence_policy_losses_train_the_actor_whatever_the_partition(model_path, kind):
+    """GSPO and CISPO through the FSDP2 actor: each row is a whole experience, so the window's
+    gradient is the same on one rank as split over two ranks and several micro-batches (fp64)."""
+    experiences, advantages = make_experiences(seed=0, count=9)
+    results = run_ranks(sequence_loss_rank, 2, model_path, experiences, advantages, kind)
+    reference = results[0]["1 rank"]
+    assert any(g.abs().max() > 0 for g in reference.values())
+    for label, grads in [("rank 0", results[0]["2 ranks"]), ("rank 1", results[1]["2 ranks"])]:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-12,
+                                       msg=lambda m: f"{label}: {name}\n{m}")

@@ -6,7 +6,9 @@ import torch
 from molt.objectives.kl import compute_kl_loss
 from molt.objectives.policy_loss import (
     MAX_ABS_LOG_RATIO,
+    compute_cispo_loss,
     compute_entropy_bonus,
+    compute_gspo_loss,
     compute_importance_weights,
     compute_ppo_clip_loss,
     token_entropy_from_logits,
@@ -397,4 +399,87 @@ def test_window_gradient_is_invariant_to_micro_batch_partition(level):
     whole = window_gradient([list(range(num_rows))])
     for partition in ([[0, 1], [2, 3, 4, 5, 6, 7]], [[7], [0, 3, 5], [6, 1], [4, 2]]):
         # float64; the terms only reorder a sum, so the tolerance is rounding, not approximation.
+        torch.testing.assert_close(window_gradient(partition), whole, rtol=0.0, atol=1e-12)
+
+
+# -- GSPO and CISPO --------------------------------------------------------------------------------
+
+
+def naive_sequence_losses(kind, logprobs, old, advantages, mask, weights, low, high, denominator):
+    """Row by row, token by token: (loss, d loss / d logprobs) of GSPO-token or CISPO, from the
+    papers' formulas (GSPO: s = exp(mean action log-ratio), gradient s * A where unclipped;
+    CISPO: -clip(ratio) * A * logprob, gradient -clip(ratio) * A everywhere)."""
+    total, grads = 0.0, []
+    for lp_row, old_row, adv_row, mask_row, w_row in zip(logprobs, old, advantages, mask, weights):
+        actions = [clamp_log(lp - o) for lp, o, m in zip(lp_row, old_row, mask_row) if m]
+        sequence = math.exp(sum(actions) / max(len(actions), 1))
+        row = []
+        for lp, o, adv, m, w in zip(lp_row, old_row, adv_row, mask_row, w_row):
+            if not m:
+                row.append(0.0)
+                continue
+            if kind == "gspo":
+                clipped = min(max(sequence, 1 - low), 1 + high)
+                loss = -min(sequence * adv, clipped * adv)
+                takes_gradient = sequence * adv <= clipped * adv
+                row.append(-w * sequence * adv / denominator if takes_gradient else 0.0)
+            else:
+                weight = min(max(math.exp(clamp_log(lp - o)), 1 - low), 1 + high)
+                loss = -weight * adv * lp
+                row.append(-w * weight * adv / denominator)
+            total += w * loss
+        grads.append(row)
+    return total / denominator, grads
+
+
+@pytest.mark.parametrize("kind", ["gspo", "cispo"])
+def test_sequence_losses_match_naive_loops(kind):
+    """Values and gradients of compute_gspo_loss / compute_cispo_loss against the naive loop, with
+    importance weights and a band that clips some rows (GSPO) or tokens (CISPO) but not all."""
+    old, behavior, mask = build_rows(seed=11)
+    generator = torch.Generator().manual_seed(12)
+    logprobs = (old + 0.5 * torch.randn(old.shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    advantages = (2 * torch.randn(old.shape[0], 1, generator=generator, dtype=torch.float64)) * mask
+    weights, _ = compute_importance_weights(old, behavior, mask, level="token", mode="trunc", low=0.5, high=1.3)
+    low, high = (0.02, 0.02) if kind == "gspo" else (0.2, 0.28)
+    denominator = mask.sum().item()
+    compute = compute_gspo_loss if kind == "gspo" else compute_cispo_loss
+    loss, stats = compute(logprobs, old, advantages, mask, clip_eps_low=low, clip_eps_high=high,
+                          denominator=denominator, importance_weights=weights)
+    loss.backward()
+    expected, expected_grads = naive_sequence_losses(kind, logprobs.tolist(), old.tolist(), advantages.tolist(),
+                                                     mask.tolist(), weights.tolist(), low, high, denominator)
+    assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    torch.testing.assert_close(logprobs.grad, torch.tensor(expected_grads, dtype=torch.float64), rtol=1e-12,
+                               atol=1e-15)
+    assert 0 < stats["clipped_tokens"].item() < stats["action_tokens"].item() == denominator
+    if kind == "cispo":  # a clipped token keeps its gradient
+        assert (logprobs.grad[mask > 0] != 0).all()
+
+
+@pytest.mark.parametrize("kind", ["gspo", "cispo"])
+def test_sequence_losses_are_invariant_to_micro_batch_partition(kind):
+    """Rows are whole sequences, so splitting the window's rows over micro-batches (one shared
+    denominator) leaves the gradient unchanged (float64)."""
+    num_rows, seq, vocab = 8, 12, 6
+    generator = torch.Generator().manual_seed(13)
+    old, _, mask = build_rows(seed=14, num_rows=num_rows, seq=seq)
+    logits = torch.randn(num_rows, seq, vocab, generator=generator, dtype=torch.float64)
+    tokens = torch.randint(vocab, (num_rows, seq), generator=generator)
+    advantages = 2 * torch.randn(num_rows, 1, generator=generator, dtype=torch.float64) * mask
+    compute = compute_gspo_loss if kind == "gspo" else compute_cispo_loss
+    denominator = mask.sum().item()
+
+    def window_gradient(partition):
+        leaf = logits.clone().requires_grad_()
+        for rows in partition:
+            logprobs = torch.log_softmax(leaf[rows], dim=-1).gather(-1, tokens[rows, :, None]).squeeze(-1)
+            loss, _ = compute(logprobs, old[rows], advantages[rows], mask[rows], clip_eps_low=0.2, clip_eps_high=0.28,
+                              denominator=denominator)
+            loss.backward()
+        return leaf.grad
+
+    whole = window_gradient([list(range(num_rows))])
+    assert whole.abs().max() > 0
+    for partition in ([[0, 1], [2, 3, 4, 5, 6, 7]], [[7], [0, 3, 5], [6, 1], [4, 2]]):
         torch.testing.assert_close(window_gradient(partition), whole, rtol=0.0, atol=1e-12)

@@ -17,7 +17,9 @@ from molt.objectives.kl import (
 )
 from molt.objectives.policy_loss import (
     check_importance_options,
+    compute_cispo_loss,
     compute_entropy_bonus,
+    compute_gspo_loss,
     compute_importance_weights,
     compute_ppo_clip_loss,
     token_entropy_from_logits,
@@ -27,11 +29,13 @@ from molt.objectives.value_loss import compute_value_loss
 __all__ = [
     "AdaptiveKLController",
     "check_importance_options",
+    "compute_cispo_loss",
     "compute_dr_grpo_advantages",
     "compute_entropy_bonus",
     "compute_gae_advantages",
     "compute_group_mean_advantages",
     "compute_grpo_advantages",
+    "compute_gspo_loss",
     "compute_importance_weights",
     "compute_kl_estimate",
     "compute_kl_loss",

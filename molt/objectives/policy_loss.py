@@ -96,6 +96,94 @@ def compute_ppo_clip_loss(
     return loss, stats
 
 
+def compute_gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    denominator: float | Tensor,
+    importance_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO's sequence-level clipped surrogate, summed over action tokens and divided by `denominator`.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071), GSPO-token (eq. 13):
+    each row is one sequence with ratio s = exp(mean over its action tokens of logprobs -
+    old_logprobs), and each of its tokens carries s_t = sg(s) * exp(logprobs_t - sg(logprobs_t))
+    (equal to s in value, gradient s * grad logprobs_t). Per token: w * -min(s_t * A, clip(s_t,
+    1 - clip_eps_low, 1 + clip_eps_high) * A): a sequence outside the band gives none of its tokens
+    a gradient. The paper's ranges are far narrower than PPO's (3e-4, 4e-4). Arguments and
+    statistics as `compute_ppo_clip_loss` ("ratio_sum" adds each token's sequence ratio;
+    "clipped_tokens" counts the tokens of clipped sequences; "approx_kl_sum" stays per token).
+    """
+    mask = action_mask > 0
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    zeros = torch.zeros_like(log_ratio)
+    num_actions = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    sequence_log_ratio = torch.where(mask, log_ratio, zeros).sum(dim=-1, keepdim=True) / num_actions  # [rows, 1]
+    ratio = torch.exp(sequence_log_ratio.detach() + logprobs - logprobs.detach())  # s_t
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    loss = torch.where(mask, per_token, zeros).sum() / denominator
+    with torch.no_grad():
+        maskf = mask.to(per_token.dtype)
+        token_ratio = torch.exp(log_ratio)
+        stats = {
+            "action_tokens": maskf.sum(),
+            "clipped_tokens": ((clipped > unclipped).to(per_token.dtype) * maskf).sum(),
+            "ratio_sum": torch.where(mask, ratio, zeros).sum(),
+            "approx_kl_sum": torch.where(mask, (token_ratio - 1) - log_ratio, zeros).sum(),
+        }
+    return loss, stats
+
+
+def compute_cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    denominator: float | Tensor,
+    importance_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE with a clipped, stop-gradient importance weight, summed over action tokens
+    and divided by `denominator`.
+
+    MiniMax 2025, "MiniMax-M1" (arXiv:2506.13585), eq. 4: per token w * -sg(clip(ratio,
+    1 - clip_eps_low, 1 + clip_eps_high)) * A * logprobs, ratio = exp(logprobs - old_logprobs).
+    Unlike PPO's clip, which drops the gradient of a token outside the band, every token keeps
+    its gradient (A * grad logprobs), only scaled by the clipped weight; the paper clips from
+    above only (set clip_eps_low near 1 to match). The loss value is that REINFORCE term, not a
+    surrogate of the return. Arguments and statistics as `compute_ppo_clip_loss`
+    ("clipped_tokens": ratio outside the band).
+    """
+    mask = action_mask > 0
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = -weight * advantages * logprobs
+    if importance_weights is not None:
+        per_token = per_token * importance_weights
+    zeros = torch.zeros_like(per_token)
+    loss = torch.where(mask, per_token, zeros).sum() / denominator
+    with torch.no_grad():
+        maskf = mask.to(per_token.dtype)
+        stats = {
+            "action_tokens": maskf.sum(),
+            "clipped_tokens": ((weight != ratio).to(per_token.dtype) * maskf).sum(),
+            "ratio_sum": torch.where(mask, ratio, zeros).sum(),
+            "approx_kl_sum": torch.where(mask, (ratio - 1) - log_ratio.detach(), zeros).sum(),
+        }
+    return loss, stats
+
+
 def compute_importance_weights(
     old_logprobs: Tensor,
     behavior_logprobs: Tensor,
