@@ -23,8 +23,10 @@ from molt.experience import Experience
 from molt.expert_parallel import freeze_routers
 from molt.hf_checkpoint import build_empty_model, load_sharded_weights
 from molt.logprobs import check_temperature, compute_chunked_logprobs
-from molt.objectives import (compute_cispo_loss, compute_entropy_bonus, compute_gspo_loss, compute_importance_weights,
-                             compute_kl_loss, compute_ppo_clip_loss, token_entropy_from_logits)
+from molt.objectives import (aggregate_tokens, compute_cispo_loss, compute_entropy_bonus, compute_gspo_loss,
+                             compute_importance_weights, compute_kl_estimate, compute_loss_denominator,
+                             compute_ppo_clip_loss, compute_trust_region_weights, count_sequences,
+                             token_entropy_from_logits)
 from molt.optimizer import OptimizerSettings, build_optimizer
 from molt.parallelize import ShardingPlan, TrainerMesh, shard_model
 from molt.routing_replay import RoutingReplay
@@ -204,7 +206,8 @@ def score_micro_batch(model: nn.Module, micro_batch: MicroBatch, *,
 
 @dataclass(kw_only=True)
 class PolicyLoss:
-    """Which terms make up the policy loss (docs/objectives.md); all divide by the window's tokens."""
+    """Which terms make up the policy loss (docs/objectives.md); every term is aggregated over the
+    window alike (`aggregation`, molt.objectives.compute_loss_denominator)."""
 
     clip_eps_low: float
     clip_eps_high: float
@@ -213,8 +216,18 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # KL-to-reference term in the loss; needs MicroBatch.ref_logprobs when > 0
     kl_estimator: str = "k3"
+    kl_clamp: float = 0.0  # cap on each token's k3 estimate (algorithm.kl_clamp); 0 = uncapped
     kind: str = "ppo"  # ppo | gspo | cispo (algorithm.policy_loss); dual_clip is PPO's only
     router_aux_coef: float = 0.0  # MoE: the model's load-balancing loss (needs Actor.routing keeping logits)
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | constant (algorithm.loss_aggregation)
+    constant_tokens: int = 0  # constant aggregation: tokens per sequence in the divisor
+    trust_region: tuple[float, float] | None = None  # (max_kl, weight_cap): sequence trust region; None = off
+
+    @property
+    def decoupled(self) -> bool:
+        """The ratio is taken against the trainer's log-probs before the update (importance correction
+        or trust region), not against the behaviour log-probs."""
+        return self.importance is not None or self.trust_region is not None
 
 
 def set_gradient_sum_reduction(model: nn.Module) -> None:
@@ -234,28 +247,45 @@ def set_gradient_sum_reduction(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def compute_window_counts(
+    micro_batches: list[MicroBatch], *, group: dist.ProcessGroup, device: torch.device
+) -> tuple[int, int]:
+    """The window's action tokens and sequences (rows with an action token) over all micro-batches
+    and data-parallel ranks.
+
+    One all-reduce over `group` (the data-parallel group: tp ranks share their data), before the
+    first micro-batch, so every loss term of the window divides by numbers that do not depend on
+    how the window is split (DESIGN section 8; molt.objectives.compute_loss_denominator).
+    """
+    local = [(micro_batch.num_action_tokens, count_sequences(micro_batch.action_mask)) for micro_batch in micro_batches]
+    counts = torch.tensor([sum(column) for column in zip(*local)] if local else [0, 0], dtype=torch.int64,
+                          device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    window_tokens, window_sequences = counts.tolist()
+    if window_tokens == 0:
+        logger.warning("optimizer window has no action tokens on any rank; its gradient is zero")
+    return window_tokens, window_sequences
+
+
 def compute_window_denominator(
     micro_batches: list[MicroBatch], *, group: dist.ProcessGroup, device: torch.device
 ) -> float:
-    """The window's action-token count over all micro-batches and data-parallel ranks (at least 1).
+    """The window's action-token count over all micro-batches and data-parallel ranks (at least 1):
+    the token mean's denominator (`compute_window_counts`)."""
+    window_tokens, _ = compute_window_counts(micro_batches, group=group, device=device)
+    return float(max(window_tokens, 1))
 
-    One all-reduce over `group` (the data-parallel group: tp ranks share their data), before the
-    first micro-batch, so every loss term of the window divides by the same number however the
-    window is split (DESIGN section 8).
-    """
-    local_tokens = sum(micro_batch.num_action_tokens for micro_batch in micro_batches)
-    window_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=device)
-    dist.all_reduce(window_tokens, op=dist.ReduceOp.SUM, group=group)
-    if window_tokens.item() == 0:
-        logger.warning("optimizer window has no action tokens on any rank; its gradient is zero")
-    return float(max(window_tokens.item(), 1))
+
+def is_maximum(statistic: str) -> bool:
+    """Statistics add across micro-batches, ranks and windows, except maxima (named "..._max")."""
+    return statistic.endswith("_max")
 
 
 @dataclass(kw_only=True)
 class WindowResult:
     """One optimizer window: this window's statistics summed over micro-batches and ranks."""
 
-    totals: dict[str, float]  # "loss" (the window's token-mean loss), "action_tokens", objective sums
+    totals: dict[str, float]  # "loss" (the window's aggregated loss), "action_tokens", objective sums (and maxima)
     grad_norm: float  # global, before clipping (nan/inf when not finite)
     stepped: bool  # False: a non-finite loss or gradient norm on some rank; no optimizer step anywhere
 
@@ -369,40 +399,54 @@ class Actor(TrainableModel):
         """One optimizer step over the window's micro-batches (skipped if anything is not finite);
         `diagnostics`, when given, takes each micro-batch's log-probs and entropy (molt.diagnostics)."""
         sums = self.compute_window_gradients(micro_batches, loss, diagnostics)
-        names = sorted(sums)  # every rank has the same terms, so the same names
-        totals = torch.stack([sums[name] for name in names])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.group)
-        total = dict(zip(names, totals.tolist()))
+        total = {}
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            # every rank has the same terms, so the same names and the same collectives
+            names = sorted(name for name in sums if is_maximum(name) == (op == dist.ReduceOp.MAX))
+            if names:
+                totals = torch.stack([sums[name] for name in names])
+                dist.all_reduce(totals, op=op, group=self.group)
+                total.update(zip(names, totals.tolist()))
         grad_norm, stepped = self.step_optimizer(loss_is_finite=math.isfinite(total["loss"]))
         return WindowResult(totals=total, grad_norm=grad_norm, stepped=stepped)
 
     def compute_window_gradients(self, micro_batches: list[MicroBatch], loss: PolicyLoss,
                                  diagnostics: StepDiagnostics | None = None) -> dict[str, torch.Tensor]:
-        """Accumulate the token-mean gradient of the window into `.grad`.
+        """Accumulate the gradient of the window's loss (aggregated per `loss.aggregation`) into `.grad`.
 
-        Every term divides by the window's action-token count over all micro-batches and ranks
-        (all-reduced once, before the first micro-batch); importance weights act inside each
-        token's term and never change it. Returns this rank's float64 sums ("loss",
-        "action_tokens", and the objectives' statistics); summed over ranks they describe the window.
+        Every token's term divides by a number made of the window's action-token and sequence counts
+        over all micro-batches and ranks (all-reduced once, before the first micro-batch) and its own
+        row's tokens (molt.objectives.compute_loss_denominator); importance and trust-region weights
+        act inside each token's term and never change it. Returns this rank's float64 sums ("loss",
+        "action_tokens", and the objectives' statistics; maxima for "..._max"); summed (maxed) over
+        ranks they describe the window.
         """
         self.model.train()
-        denominator = compute_window_denominator(micro_batches, group=self.group, device=self.device)
+        window_tokens, window_sequences = compute_window_counts(micro_batches, group=self.group, device=self.device)
         sums: dict[str, torch.Tensor] = {}
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(self.device)
+            denominator = compute_loss_denominator(
+                micro_batch.action_mask, aggregation=loss.aggregation, window_tokens=window_tokens,
+                window_sequences=window_sequences, constant_tokens=loss.constant_tokens)
             with self.routes_of(micro_batch):  # activation checkpointing reruns the forward in backward
                 terms, stats = self._micro_batch_loss(micro_batch, loss, denominator, diagnostics)
                 total = sum(terms)
                 total.backward()
             stats["loss"] = total.detach()
             for name, value in stats.items():
-                sums[name] = sums.get(name, 0) + value.detach().to(torch.float64)
+                value = value.detach().to(torch.float64)
+                if name not in sums:
+                    sums[name] = value
+                else:
+                    sums[name] = torch.maximum(sums[name], value) if is_maximum(name) else sums[name] + value
         return sums
 
-    def _micro_batch_loss(self, micro_batch: MicroBatch, loss: PolicyLoss, denominator: float,
+    def _micro_batch_loss(self, micro_batch: MicroBatch, loss: PolicyLoss, denominator: float | torch.Tensor,
                           diagnostics: StepDiagnostics | None = None
                           ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """The loss terms of one micro-batch and their statistics (masked sums)."""
+        """The loss terms of one micro-batch and their statistics (masked sums). `denominator`: each
+        token's divisor, one number or [rows, 1] (molt.objectives.compute_loss_denominator)."""
         mask = micro_batch.action_mask
         logprobs, entropy = score_micro_batch(self.model, micro_batch,
                                               with_entropy=loss.entropy_coef > 0 or diagnostics is not None)
@@ -414,18 +458,26 @@ class Actor(TrainableModel):
             self.routing.report(diagnostics)
             aux_loss = self.routing.load_balancing_loss()
         weights, ratio_base = None, micro_batch.behavior_logprobs
-        if loss.importance is not None:
+        if loss.decoupled:
             # Decoupled PPO: the ratio is taken against the proximal policy (the actor before the
             # step's first update: recorded by a no-grad pass when the step has several windows, the
             # current log-probs detached when it has one), and the engine/trainer mismatch is
-            # corrected by each token's importance weight against the behaviour log-probs.
-            level, mode, low, high = loss.importance
+            # corrected by each token's weight against the behaviour log-probs: the importance
+            # correction's, then the trust region's, which rejects whole rows and caps the rest.
             ratio_base = micro_batch.proximal_logprobs
             if ratio_base is None:
                 ratio_base = logprobs.detach()
+        if loss.importance is not None:
+            level, mode, low, high = loss.importance
             weights, importance_stats = compute_importance_weights(
                 ratio_base, micro_batch.behavior_logprobs, mask, level=level, mode=mode, low=low, high=high)
             stats.update(importance_stats)
+        if loss.trust_region is not None:
+            max_kl, weight_cap = loss.trust_region
+            weights, trust_stats = compute_trust_region_weights(
+                ratio_base, micro_batch.behavior_logprobs, mask, max_kl=max_kl, weight_cap=weight_cap,
+                importance_weights=weights)
+            stats.update(trust_stats)
         clip = dict(clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high, denominator=denominator,
                     importance_weights=weights)
         if loss.kind == "ppo":
@@ -437,10 +489,11 @@ class Actor(TrainableModel):
         stats.update(policy_stats)
         terms = [policy]
         if loss.kl_coef > 0:
-            kl, kl_stats = compute_kl_loss(logprobs, micro_batch.ref_logprobs, mask, estimator=loss.kl_estimator,
-                                           coef=loss.kl_coef, denominator=denominator)
-            terms.append(kl)
-            stats.update(kl_stats)
+            # compute_kl_loss's term, whose one-number denominator cannot take a per-row aggregation
+            token_kl = compute_kl_estimate(logprobs, micro_batch.ref_logprobs, estimator=loss.kl_estimator,
+                                           clamp=loss.kl_clamp)
+            terms.append(loss.kl_coef * aggregate_tokens(token_kl, mask, denominator=denominator))
+            stats["ref_kl_sum"] = aggregate_tokens(token_kl.detach(), mask, denominator=1.0)
         if loss.entropy_coef > 0:
             bonus, entropy_stats = compute_entropy_bonus(entropy, mask, coef=loss.entropy_coef,
                                                          denominator=denominator)
@@ -448,8 +501,8 @@ class Actor(TrainableModel):
             stats.update(entropy_stats)
         if loss.router_aux_coef > 0 and aux_loss is not None:
             # The model's per-token-mean auxiliary loss, weighted by this micro-batch's share of the
-            # window's action tokens, so the window's terms add up to one mean like every other term.
-            share = mask.sum() / denominator
+            # window's loss weight (its tokens' 1 / denominator), so it aggregates like every other term.
+            share = aggregate_tokens(torch.ones_like(mask), mask, denominator=denominator)
             terms.append(loss.router_aux_coef * aux_loss * share)
             stats["router_aux_loss_sum"] = aux_loss.detach() * mask.sum()
         return terms, stats
@@ -488,7 +541,7 @@ def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_wind
     total: dict[str, float] = {}
     for result in results:
         for name, value in result.totals.items():
-            total[name] = total.get(name, 0.0) + value
+            total[name] = max(total.get(name, value), value) if is_maximum(name) else total.get(name, 0.0) + value
     per_token = 1.0 / max(total.get("action_tokens", 0.0), 1.0)
     stepped = [result for result in results if result.stepped]
     metrics = {
@@ -506,6 +559,11 @@ def summarize_windows(results: list[WindowResult], loss: PolicyLoss, *, num_wind
     if loss.importance:
         metrics["importance_rejected_share"] = total.get("rejected_tokens", 0.0) * per_token
         metrics["importance_weight_mean"] = total.get("weight_sum", 0.0) / max(total.get("kept_tokens", 0.0), 1.0)
+    if loss.trust_region:
+        sequences = max(total.get("trust_region_sequences", 0.0), 1.0)
+        metrics["trust_region_rejected_share"] = total.get("trust_region_rejected_sequences", 0.0) / sequences
+        metrics["trust_region_kl_mean"] = total.get("trust_region_kl_sum", 0.0) / sequences
+        metrics["trust_region_kl_max"] = total.get("trust_region_kl_max", 0.0)
     if "ref_kl_sum" in total:
         metrics["ref_kl"] = total["ref_kl_sum"] * per_token
     if "entropy_sum" in total:

@@ -35,6 +35,7 @@ class MicroBatch:
     # (rollout.temperature) elsewhere and on padding. Log-probs are recomputed at them (score_micro_batch).
     temperatures: torch.Tensor  # [batch, seq] float32
     rewards: torch.Tensor  # [batch] float64, each row's rollout reward (0 for a filler row)
+    truncated: torch.Tensor  # [batch] bool, each row's Experience.truncated (False for a filler row)
     rows: list[int]  # [batch] index of each row's experience in the rank's list; -1 = filler
     # Routed experts for routing replay (molt.routes): each experience's own, -1 (unknown) on padding
     # and for an experience without routes; None when no experience here has any.
@@ -341,6 +342,7 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], pac
         advantages=row_advantages * action_mask,
         temperatures=temperatures,
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float64),
+        truncated=torch.tensor([e.truncated for e in experiences], dtype=torch.bool),
         rows=rows,
         routed_experts=_collate_routes(experiences, seq_len),
     )
@@ -399,6 +401,7 @@ def _empty_micro_batch(pad_token_id: int, temperature: float, packed: bool) -> M
         advantages=torch.zeros((1, 1)),
         temperatures=torch.full((1, 1), temperature, dtype=torch.float32),
         rewards=torch.zeros(1, dtype=torch.float64),
+        truncated=torch.zeros(1, dtype=torch.bool),
         rows=[-1],
     )
     if packed:

@@ -263,6 +263,18 @@ class AlgorithmConfig(ConfigSection):
     """PPO ratio clip above 1 (raise for DAPO's clip-higher)."""
     dual_clip: float = 0.0
     """Dual clip: cap the loss of a negative-advantage token at -c * A; c > 1, 0 = off."""
+    loss_aggregation: str = "token_mean"
+    """How the window's token terms (policy, entropy, KL in the loss) make one loss: token_mean (over the
+    window's action tokens) | seq_mean_token_mean (each sequence's token mean, averaged over the window's
+    sequences; GSPO's) | constant (token sums / (sequences x loss_constant_tokens), Dr. GRPO)."""
+    loss_constant_tokens: int = 0
+    """constant aggregation: tokens per sequence in the divisor; 0 = rollout.max_response_tokens."""
+    trust_region_kl: float = 0.0
+    """Sequence trust region (Li et al. 2025): weight 0 for every token of an experience whose mean
+    per-token KL(behaviour || trainer) exceeds this (the paper: 1e-3); 0 = off."""
+    trust_region_weight_cap: float = 2.0
+    """Trust region: cap (>= 1) on a kept token's weight, exp(trainer - behaviour log-prob) or the
+    importance correction's weight."""
     importance_level: str = "off"
     """Correct the trainer/engine mismatch with importance weights exp(trainer - behaviour log-prob):
     off | token | seq | geo (token+trunc = TIS, token+mask = IcePop, geo+mask = seq-mask-tis)."""
@@ -301,6 +313,19 @@ class AlgorithmConfig(ConfigSection):
     max_backfill_prompts: int = 32
     """Most extra prompts one step dispatches to replace lost groups (32 = 4 x the default
     prompts_per_step); past it the step trains on fewer groups and warns. 0 = filter, never backfill."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: a truncated rollout (a response cut at rollout.max_response_tokens or
+    max_length, the context exhausted, agent.max_turns spent) adds no token to the loss; its reward
+    still counts in its group's baseline."""
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong punishment, L_cache: a rollout whose longest response passes
+    rollout.max_response_tokens - this many tokens loses reward linearly, up to
+    overlong_penalty_factor at max_response_tokens. 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """The most reward the soft overlong punishment takes (at rollout.max_response_tokens and beyond)."""
+    kl_clamp: float = 10.0
+    """Cap on each token's k3 KL estimate (loss and reward placement); a capped token adds the cap and
+    no gradient. 0 = uncapped; k1 and k2 are never capped."""
     routing_replay: bool = False
     """MoE: the trainer's forward routes each token to the experts the engine recorded for it (R3,
     rollout.capture_routes), live routing where none was recorded; the router keeps its gradient."""
@@ -730,6 +755,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
         errors += engine_args_errors(rollout.engine_args)
     check(train.max_tokens_per_micro_batch >= rollout.max_length,
           f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
+    check_loss_options(algo, check)
           f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")
     check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
     check_trainer_options(train, rollout, check)
@@ -802,6 +828,12 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(train.compute_dtype in ("",) + DTYPES,
           f"train.compute_dtype={train.compute_dtype!r}: use '' (model.dtype) or one of {', '.join(DTYPES)}")
     try:
+    check(0 <= algo.overlong_buffer_tokens <= rollout.max_response_tokens,
+          f"algorithm.overlong_buffer_tokens={algo.overlong_buffer_tokens}: must be in [0, rollout.max_response_tokens="
+          f"{rollout.max_response_tokens}] (0 = no overlong penalty)")
+    check(algo.overlong_penalty_factor >= 0,
+          f"algorithm.overlong_penalty_factor={algo.overlong_penalty_factor}: must be >= 0")
+    check(algo.kl_clamp >= 0, f"algorithm.kl_clamp={algo.kl_clamp}: must be >= 0 (0 = uncapped)")
         parse_activation_checkpointing(train.activation_checkpointing)
     except ConfigError as error:
         check(False, str(error))
@@ -828,8 +860,22 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(train.ppo_epochs >= 1, f"train.ppo_epochs={train.ppo_epochs}: need at least 1")
     check(train.max_consecutive_nonfinite_steps >= 1,
           f"train.max_consecutive_nonfinite_steps={train.max_consecutive_nonfinite_steps}: need at least 1")
+def config_warnings(cfg: MoltConfig) -> list[str]:
+    """Settings that are valid but probably not what was meant; start-up logs each once."""
+    algo = cfg.algorithm
+    warnings = []
+    if algo.kl_estimator == "k1" and algo.kl_placement == "loss" and algo.kl_coef > 0:
+        # E_{y ~ pi}[grad log pi(y)] = 0: on tokens sampled from the policy, k1's gradient is zero in expectation.
+        warnings.append(
+            f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
+            f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
+            f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1")
+    return warnings
 
 
+
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")  # molt.objectives.LOSS_AGGREGATIONS
 def check_cpu_offload(cfg: MoltConfig, device_type: str) -> None:
     """train.cpu_offload is a GPU memory control: refused where the trainer computes on CPU."""
     if cfg.train.cpu_offload and device_type == "cpu":
@@ -847,6 +893,26 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+def check_loss_options(algo: AlgorithmConfig, check) -> None:
+    """algorithm.loss_aggregation and the sequence trust region (docs/objectives.md)."""
+    check(algo.loss_aggregation in LOSS_AGGREGATIONS,
+          f"algorithm.loss_aggregation={algo.loss_aggregation!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    check(algo.loss_constant_tokens >= 0,
+          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens}: must be >= 0 (0 = rollout.max_response_tokens)")
+    check(algo.loss_constant_tokens == 0 or algo.loss_aggregation == "constant",
+          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens} sets the constant aggregation's divisor, which "
+          f"algorithm.loss_aggregation={algo.loss_aggregation!r} does not use: set loss_aggregation=constant, or "
+          f"loss_constant_tokens=0")
+    check(algo.trust_region_kl >= 0, f"algorithm.trust_region_kl={algo.trust_region_kl}: must be >= 0 (0 = off)")
+    check(algo.trust_region_weight_cap >= 1,
+          f"algorithm.trust_region_weight_cap={algo.trust_region_weight_cap}: must be >= 1 (a cap below 1 would "
+          f"shrink even the tokens on which trainer and engine agree)")
+    check(algo.trust_region_kl == 0 or algo.importance_level in ("off", "token"),
+          f"algorithm.trust_region_kl={algo.trust_region_kl} rejects sequences by their KL and "
+          f"algorithm.importance_level={algo.importance_level!r} rejects them by their ratio: use one rule, e.g. "
+          f"importance_level=token (or off) with the trust region")
+
+
     args = build_arg_parser("Print the resolved Molt config.").parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)

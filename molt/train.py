@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from molt.config import ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, load_config, validate_config
+from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, config_warnings, load_config,
+                         validate_config)
 from molt.metrics import configure_logging
 
 # torch is imported inside the functions that use it: agent worker processes, started with
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         logger.error("%s", error)
         return 2
+    if rank == 0:
+        for warning in config_warnings(cfg):
+            logger.warning("%s", warning)
     if args.dry_run:
         return dry_run(cfg)
     if cfg.layout.trainer_context_parallel_size > 1:

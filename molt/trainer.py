@@ -345,7 +345,7 @@ class Trainer:
             experiences, num_ranks=self.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch, layout=self.micro_batch_layout)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
-                     rewards=[e.reward for e in experiences])
+                     rewards=[e.reward for e in experiences], segment_indices=[e.segment_index for e in experiences])
         for rank in range(1, self.num_trainer_ranks):
             share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
             self.router.send(f"trainer-{rank}", {

@@ -20,9 +20,13 @@ PAD = 0
 CLIP_LOW, CLIP_HIGH, TEMPERATURE = 0.2, 0.28, 0.875
 CPU = torch.device("cpu")
 PPO = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
-# Every term at once, with a tight band so the importance correction rejects tokens.
+# Every term at once, with a tight band so the importance correction rejects tokens, and a trust
+# region that rejects about half of make_experiences(seed=0)'s rows (their KLs: 0.17 to 0.79).
 FULL_LOSS = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, dual_clip=3.0,
-                       importance=("token", "mask", 0.9, 1.1), entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3")
+                       importance=("token", "mask", 0.9, 1.1), entropy_coef=0.01, kl_coef=0.1, kl_estimator="k3",
+                       trust_region=(0.4, 1.05))
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
+CONSTANT_TOKENS = 24  # the constant aggregation's tokens per sequence in these tests
 
 
 def make_experiences(seed: int, count: int) -> tuple[list[Experience], list[float]]:
@@ -47,14 +51,16 @@ def as_float32(value: float) -> float:
     return torch.tensor(value, dtype=torch.float32).item()
 
 
-def naive_window_loss(model, experiences, advantages) -> torch.Tensor:
-    """Token-mean PPO-clip over the window, one unpadded sequence and one token at a time, each
-    token at its own sampling temperature (TEMPERATURE for an experience without them)."""
-    terms = []
+def naive_window_loss(model, experiences, advantages, aggregation="token_mean") -> torch.Tensor:
+    """PPO-clip over the window, one unpadded sequence and one token at a time, each token at its
+    own sampling temperature (TEMPERATURE for an experience without them); the token mean, the mean
+    of the sequences' token means, or the token sum over sequences x CONSTANT_TOKENS."""
+    sequences = []
     for experience, advantage in zip(experiences, advantages):
         ids = torch.tensor([experience.token_ids])
         logits = model(input_ids=ids).logits[0].double()
         temperatures = experience.temperatures or [TEMPERATURE] * experience.num_tokens
+        terms = []
         for t in range(1, experience.num_tokens):
             if not experience.action_mask[t]:
                 continue
@@ -62,7 +68,13 @@ def naive_window_loss(model, experiences, advantages) -> torch.Tensor:
             ratio = torch.exp(logprob - experience.behavior_logprobs[t])
             clipped = ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
             terms.append(-torch.minimum(ratio * advantage, clipped * advantage))
-    return torch.stack(terms).sum() / len(terms)
+        sequences.append(torch.stack(terms))
+    if aggregation == "seq_mean_token_mean":
+        return torch.stack([terms.mean() for terms in sequences]).mean()
+    total = torch.cat(sequences).sum()
+    if aggregation == "constant":
+        return total / (len(sequences) * CONSTANT_TOKENS)
+    return total / sum(len(terms) for terms in sequences)
 
 
 def full_gradients(model) -> dict[str, torch.Tensor]:
@@ -103,6 +115,8 @@ def window_gradients(actor, micro_batches, loss=PPO, kl_reference=None) -> dict[
     grads = full_gradients(actor.model)
     if loss.importance is not None:
         grads["rejected tokens"] = sums["rejected_tokens"]  # summed over this rank's micro-batches
+    if loss.trust_region is not None:
+        grads["rejected sequences"] = sums["trust_region_rejected_sequences"]
     actor.optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -118,26 +132,17 @@ def perturbed_model(model_path):
 
 
 def gradient_invariance_rank(rank, world_size, model_path, experiences, advantages, full_loss=False):
+    """Per loss aggregation: the window's gradients on one rank in one and in three micro-batches
+    (and, on rank 0 without the full loss, the naive loop's), and split over two ranks."""
     single_group = dist.new_group([0])
     both_group = dist.new_group([0, 1])
-    loss, kl_reference = (FULL_LOSS, perturbed_model(model_path)) if full_loss else (PPO, None)
-
-    def window_gradients(actor, micro_batches):  # noqa: F811 (this test's loss and reference)
-        return globals()["window_gradients"](actor, micro_batches, loss, kl_reference)
-
-    results = {}
+    base_loss, kl_reference = (FULL_LOSS, perturbed_model(model_path)) if full_loss else (PPO, None)
     if rank == 0:
-        if not full_loss:
-            reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
-            naive_window_loss(reference, experiences, advantages).backward()
-            results["reference"] = full_gradients(reference)
-
-        actor = make_actor(model_path, single_group, torch.float64, lr=1e-3)
+        single = make_actor(model_path, single_group, torch.float64, lr=1e-3)
         one = build_micro_batches(
             experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD, temperature=TEMPERATURE
         )
         assert len(one) == 1
-        results["1 rank, 1 micro-batch"] = window_gradients(actor, one)
         thirds = [slice(0, 2), slice(2, 7), slice(7, None)]
         three = [
             build_micro_batches(
@@ -146,38 +151,59 @@ def gradient_invariance_rank(rank, world_size, model_path, experiences, advantag
             )[0]
             for s in thirds
         ]
-        results["1 rank, 3 micro-batches"] = window_gradients(actor, three)
-
-    actor = make_actor(model_path, both_group, torch.float64, lr=1e-3)
+    both = make_actor(model_path, both_group, torch.float64, lr=1e-3)
     micro_batches = build_rank_micro_batches(experiences, advantages, both_group, budget=120)
-    results["2 ranks"] = window_gradients(actor, micro_batches)
-    results["2 ranks, micro-batches"] = len(micro_batches)
+
+    results = {}
+    for aggregation in AGGREGATIONS:
+        loss = dataclasses.replace(base_loss, aggregation=aggregation, constant_tokens=CONSTANT_TOKENS)
+        mode = results[aggregation] = {}
+        if rank == 0:
+            if not full_loss:
+                reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+                naive_window_loss(reference, experiences, advantages, aggregation).backward()
+                mode["reference"] = full_gradients(reference)
+            mode["1 rank, 1 micro-batch"] = window_gradients(single, one, loss, kl_reference)
+            mode["1 rank, 3 micro-batches"] = window_gradients(single, three, loss, kl_reference)
+        mode["2 ranks"] = window_gradients(both, micro_batches, loss, kl_reference)
+        mode["2 ranks, micro-batches"] = len(micro_batches)
     return results
 
 
 def test_window_gradient_is_invariant_to_micro_batches_and_ranks(model_path):
+    """Under each loss aggregation, the window's gradient is the naive loop's, on one rank in one or
+    three micro-batches and split over two FSDP2 ranks (fp64); the aggregations differ."""
     experiences, advantages = make_experiences(seed=0, count=9)
     results = run_ranks(gradient_invariance_rank, 2, model_path, experiences, advantages)
-    assert_same_gradients(results, results[0].pop("reference"))
+    for aggregation in AGGREGATIONS:
+        assert_same_gradients([rank_results[aggregation] for rank_results in results],
+                              results[0][aggregation].pop("reference"), aggregation)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    gradients = [results[0][aggregation]["1 rank, 1 micro-batch"][name] for aggregation in AGGREGATIONS]
+    assert not torch.allclose(gradients[0], gradients[1]) and not torch.allclose(gradients[0], gradients[2])
 
 
 def test_full_loss_gradient_is_invariant_with_importance_rejection(model_path):
-    """DESIGN section 8: policy (dual clip, IcePop-style token masking), KL-in-loss and entropy terms
-    all divide by the window's token count, so repartitioning the window changes nothing (fp64,
-    rtol 1e-6 / atol 1e-12), while some tokens are rejected."""
+    """DESIGN section 8: policy (dual clip, IcePop-style token masking, sequence trust region),
+    KL-in-loss and entropy terms are aggregated over the window's counts under every
+    algorithm.loss_aggregation, so repartitioning the window changes nothing (fp64, rtol 1e-6 /
+    atol 1e-12), while some tokens and some sequences are rejected."""
     experiences, advantages = make_experiences(seed=0, count=9)
     results = run_ranks(gradient_invariance_rank, 2, model_path, experiences, advantages, True)
-    rejected = {(rank, label): grads.pop("rejected tokens").item() for rank, rank_results in enumerate(results)
-                for label, grads in rank_results.items() if isinstance(grads, dict)}
     total_actions = sum(sum(e.action_mask) for e in experiences)
-    whole = rejected[0, "1 rank, 1 micro-batch"]
-    assert 0 < whole < total_actions
-    assert rejected[0, "1 rank, 3 micro-batches"] == whole
-    assert rejected[0, "2 ranks"] + rejected[1, "2 ranks"] == whole
-    assert_same_gradients(results, results[0]["1 rank, 1 micro-batch"])
+    for aggregation in AGGREGATIONS:
+        by_rank = [rank_results[aggregation] for rank_results in results]
+        for key, total in (("rejected tokens", total_actions), ("rejected sequences", len(experiences))):
+            rejected = {(rank, label): grads.pop(key).item() for rank, rank_results in enumerate(by_rank)
+                        for label, grads in rank_results.items() if isinstance(grads, dict)}
+            whole = rejected[0, "1 rank, 1 micro-batch"]
+            assert 0 < whole < total, (aggregation, key)
+            assert rejected[0, "1 rank, 3 micro-batches"] == whole
+            assert rejected[0, "2 ranks"] + rejected[1, "2 ranks"] == whole
+        assert_same_gradients(by_rank, by_rank[0]["1 rank, 1 micro-batch"], aggregation)
 
 
-def assert_same_gradients(results, reference):
+def assert_same_gradients(results, reference, aggregation=""):
     assert results[0]["2 ranks, micro-batches"] >= 2
     assert any(g.abs().max() > 0 for g in reference.values())
     for rank_results in results:
@@ -188,7 +214,8 @@ def assert_same_gradients(results, reference):
             for name, grad in grads.items():
                 # fp64 throughout: summation order is the only difference.
                 torch.testing.assert_close(
-                    grad, reference[name], rtol=1e-6, atol=1e-12, msg=lambda m: f"{label}: {name}\n{m}"
+                    grad, reference[name], rtol=1e-6, atol=1e-12,
+                    msg=lambda m: f"{aggregation} {label}: {name}\n{m}"
                 )
 
 
@@ -332,34 +359,120 @@ def test_token_logprobs_match_naive_log_softmax(model_path):
 
 
 def sequence_loss_rank(rank, world_size, model_path, experiences, advantages, kind):
-    """The actor's window gradient under algorithm.policy_loss=`kind`: one rank and one micro-batch
-    (rank 0), then the window split over 2 FSDP2 ranks and several micro-batches."""
-    loss = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, kind=kind)
-    results = {}
+    """The actor's window gradient under algorithm.policy_loss=`kind` and each loss aggregation: one
+    rank and one micro-batch (rank 0), then the window split over 2 FSDP2 ranks and several
+    micro-batches."""
+    results = {aggregation: {} for aggregation in AGGREGATIONS}
     if rank == 0:
-        actor = make_actor(model_path, dist.new_group([0]), torch.float64, lr=1e-3)
+        single = make_actor(model_path, dist.new_group([0]), torch.float64, lr=1e-3)
         one = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD,
                                   temperature=TEMPERATURE)
-        results["1 rank"] = window_gradients(actor, one, loss)
     else:
         dist.new_group([0])
     both = dist.new_group([0, 1])
     actor = make_actor(model_path, both, torch.float64, lr=1e-3)
     micro_batches = build_rank_micro_batches(experiences, advantages, both, budget=120)
     assert len(micro_batches) >= 2
-    results["2 ranks"] = window_gradients(actor, micro_batches, loss)
+    for aggregation in AGGREGATIONS:
+        loss = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, kind=kind, aggregation=aggregation,
+                          constant_tokens=CONSTANT_TOKENS)
+        if rank == 0:
+            results[aggregation]["1 rank"] = window_gradients(single, one, loss)
+        results[aggregation]["2 ranks"] = window_gradients(actor, micro_batches, loss)
     return results
 
 
 @pytest.mark.parametrize("kind", ["gspo", "cispo"])
 def test_sequence_policy_losses_train_the_actor_whatever_the_partition(model_path, kind):
-    """GSPO and CISPO through the FSDP2 actor: each row is a whole experience, so the window's
-    gradient is the same on one rank as split over two ranks and several micro-batches (fp64)."""
+    """GSPO and CISPO through the FSDP2 actor, under each loss aggregation (GSPO's own: the mean of
+    the sequences' token means): each row is a whole experience, so the window's gradient is the
+    same on one rank as split over two ranks and several micro-batches (fp64)."""
     experiences, advantages = make_experiences(seed=0, count=9)
     results = run_ranks(sequence_loss_rank, 2, model_path, experiences, advantages, kind)
-    reference = results[0]["1 rank"]
-    assert any(g.abs().max() > 0 for g in reference.values())
-    for label, grads in [("rank 0", results[0]["2 ranks"]), ("rank 1", results[1]["2 ranks"])]:
+    for aggregation in AGGREGATIONS:
+        reference = results[0][aggregation]["1 rank"]
+        assert any(g.abs().max() > 0 for g in reference.values())
+        for label, grads in [("rank 0", results[0][aggregation]["2 ranks"]),
+                             ("rank 1", results[1][aggregation]["2 ranks"])]:
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-12,
+                                           msg=lambda m: f"{aggregation} {label}: {name}\n{m}")
+
+
+def naive_trust_region_loss(model, experiences, advantages, *, max_kl, weight_cap, aggregation):
+    """The decoupled PPO loss of one window whose proximal policy is the model itself, with the
+    sequence trust region, one sequence and one token at a time: a sequence whose mean
+    exp(d) - 1 - d (d = trainer - behaviour log-prob) over its action tokens exceeds max_kl is left
+    out, but still counts in the token or sequence count; each kept token is weighted by
+    min(exp(d), weight_cap). Returns the loss and each sequence's KL."""
+    kept_sums, lengths, row_kls = [], [], []
+    for experience, advantage in zip(experiences, advantages):
+        logits = model(input_ids=torch.tensor([experience.token_ids])).logits[0].double()
+        terms, kls = [], []
+        for t in range(1, experience.num_tokens):
+            if not experience.action_mask[t]:
+                continue
+            logprob = torch.log_softmax(logits[t - 1] / TEMPERATURE, dim=-1)[experience.token_ids[t]]
+            gap = logprob.item() - experience.behavior_logprobs[t]
+            kls.append(math.exp(gap) - 1 - gap)
+            ratio = torch.exp(logprob - logprob.detach())
+            clipped = ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+            terms.append(-torch.minimum(ratio * advantage, clipped * advantage) * min(math.exp(gap), weight_cap))
+        row_kls.append(sum(kls) / len(kls))
+        lengths.append(len(terms))
+        if row_kls[-1] <= max_kl:
+            kept_sums.append(torch.stack(terms).sum() / (len(terms) if aggregation == "seq_mean_token_mean" else 1))
+    divisor = len(experiences) if aggregation == "seq_mean_token_mean" else sum(lengths)
+    return torch.stack(kept_sums).sum() / divisor, row_kls
+
+
+def trust_region_rank(rank, world_size, model_path, experiences, advantages):
+    """For each aggregation: the naive loop's row KLs, a threshold between the third and fourth
+    smallest, then the actor's window gradient and metrics with that trust region and the naive
+    loop's gradient. lr=0: train_window (for the metrics) leaves the weights as they are."""
+    actor = make_actor(model_path, dist.group.WORLD, torch.float64, lr=0.0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    with torch.no_grad():
+        _, row_kls = naive_trust_region_loss(reference, experiences, advantages, max_kl=1.0, weight_cap=1.5,
+                                             aggregation="token_mean")
+    ordered = sorted(row_kls)
+    max_kl = (ordered[2] + ordered[3]) / 2
+    results = {"row_kls": row_kls, "max_kl": max_kl}
+    for aggregation in ("token_mean", "seq_mean_token_mean"):
+        loss = PolicyLoss(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, trust_region=(max_kl, 1.5),
+                          aggregation=aggregation)
+        micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=60, pad_token_id=PAD,
+                                            temperature=TEMPERATURE)
+        assert len(micro_batches) >= 2
+        results[aggregation] = window_gradients(actor, micro_batches, loss)
+        results[aggregation, "metrics"] = summarize_windows([actor.train_window(micro_batches, loss)], loss,
+                                                            num_windows=1)
+        naive, _ = naive_trust_region_loss(reference, experiences, advantages, max_kl=max_kl, weight_cap=1.5,
+                                           aggregation=aggregation)
+        naive.backward()
+        results[aggregation, "naive"] = full_gradients(reference)
+        reference.zero_grad(set_to_none=True)
+    return results
+
+
+def test_trust_region_zeroes_exactly_the_sequences_above_the_threshold(model_path):
+    """algorithm.trust_region_kl through the actor: the window's gradient (in several micro-batches)
+    is the naive loop's that leaves out exactly the 3 of 6 sequences whose KL exceeds the threshold,
+    still counting their tokens (token mean) or them (sequence mean) in the denominator, and weights
+    kept tokens min(exp(d), 1.5) (fp64); the metrics report the share and the KLs."""
+    experiences, advantages = make_experiences(seed=11, count=6)
+    results = run_ranks(trust_region_rank, 1, model_path, experiences, advantages)[0]
+    row_kls, max_kl = results["row_kls"], results["max_kl"]
+    assert sum(kl > max_kl for kl in row_kls) == 3
+    for aggregation in ("token_mean", "seq_mean_token_mean"):
+        naive = results[aggregation, "naive"]
+        assert any(g.abs().max() > 0 for g in naive.values())
+        grads = results[aggregation]
+        assert grads.pop("rejected sequences").item() == 3
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-12,
-                                       msg=lambda m: f"{label}: {name}\n{m}")
+            torch.testing.assert_close(grad, naive[name], rtol=1e-6, atol=1e-12,
+                                       msg=lambda m: f"{aggregation}: {name}\n{m}")
+        metrics = results[aggregation, "metrics"]
+        assert metrics["trust_region_rejected_share"] == 0.5
+        assert math.isclose(metrics["trust_region_kl_max"], max(row_kls), rel_tol=1e-9)
+        assert math.isclose(metrics["trust_region_kl_mean"], sum(row_kls) / len(row_kls), rel_tol=1e-9)

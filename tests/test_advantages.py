@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import run_ranks
 
 from molt.objectives import (
     compute_dr_grpo_advantages,
@@ -13,6 +15,7 @@ from molt.objectives import (
     compute_value_loss,
     whiten,
 )
+from molt.objectives.advantages import SegmentHeads, chain_segments, compute_segment_heads
 
 GROUP_ESTIMATORS = [
     compute_group_mean_advantages,
@@ -414,3 +417,213 @@ def test_whiten_with_summed_moments_of_parts_equals_whitening_the_whole():
     constant = torch.full((2, 3), 0.1, dtype=torch.float64)
     ones = torch.ones_like(constant)
     assert whiten(constant, ones, moments=masked_moments(constant, ones)).abs().max() == 0
+
+
+# -- a rollout of several segments (experiences) chains into one episode ----------------------
+
+# (rollout id, segment index, action mask, reward): batch order shuffles each rollout's segments.
+# Rollout 7 has three segments, 8 one, 9 two whose last has no action token (the reward then sits
+# on segment 0's last action token), 3 two, the second starting with an action token.
+SEGMENTS = [
+    (7, 2, [0, 1, 1, 1, 0, 0, 1, 0], 1.5),
+    (9, 0, [0, 1, 0, 1, 1], -2.0),
+    (7, 0, [0, 0, 1, 1, 0, 1], 1.5),
+    (3, 1, [1, 0, 1, 0, 1, 1, 0], 0.25),
+    (8, 0, [0, 1, 1, 0, 1], 3.0),
+    (7, 1, [0, 0, 0, 1, 0, 1, 1], 1.5),
+    (3, 0, [0, 1, 1], 0.25),
+    (9, 1, [0, 0, 0], -2.0),
+]
+KL_COEF = 0.3
+
+
+def segment_inputs(seed: int):
+    """Per segment: random values and KL on every position (only the action tokens count)."""
+    generator = torch.Generator().manual_seed(seed)
+    values = [torch.randn(len(mask), generator=generator, dtype=torch.float64).tolist()
+              for _, _, mask, _ in SEGMENTS]
+    kl = [torch.rand(len(mask), generator=generator, dtype=torch.float64).tolist() for _, _, mask, _ in SEGMENTS]
+    return values, kl
+
+
+def naive_chained(values, kl, *, gamma, lam, kl_coef=KL_COEF):
+    """Per segment, (advantages, returns) lists over its positions, unwhitened: each rollout's
+    action tokens concatenated in segment order, the plain GAE recursion over the whole rollout
+    (reward on its final action token, 0 value after it), then split back. REINFORCE++ returns are
+    GAE with 0 values and lam 1."""
+    advantages = [[0.0] * len(mask) for _, _, mask, _ in SEGMENTS]
+    returns = [[0.0] * len(mask) for _, _, mask, _ in SEGMENTS]
+    for rollout in sorted({rollout for rollout, *_ in SEGMENTS}):
+        mine = sorted((segment, s) for s, (r, segment, _, _) in enumerate(SEGMENTS) if r == rollout)
+        tokens = [(s, t) for _, s in mine for t, is_action in enumerate(SEGMENTS[s][2]) if is_action]
+        next_value, next_advantage = 0.0, 0.0
+        for k, (s, t) in enumerate(reversed(tokens)):
+            reward = -kl_coef * kl[s][t] + (SEGMENTS[s][3] if k == 0 else 0.0)
+            delta = reward + gamma * next_value - values[s][t]
+            next_advantage = delta + gamma * lam * next_advantage
+            next_value = values[s][t]
+            advantages[s][t], returns[s][t] = next_advantage, next_advantage + values[s][t]
+    return advantages, returns
+
+
+def padded(rows: list[list[float]], fill: float) -> torch.Tensor:
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=torch.float64)
+
+
+def chained_in_one_batch(values, kl, *, estimator, gamma, lam):
+    """The chain on one process: all segments as one padded batch, heads, links, estimator."""
+    mask = padded([m for _, _, m, _ in SEGMENTS], 0.0)
+    action = mask > 0
+    values = torch.where(action, padded(values, 0.0), torch.full_like(mask, 1e9))  # off actions: unread
+    kl = torch.where(action, padded(kl, 0.0), torch.full_like(mask, float("nan")))
+    rewards = torch.tensor([reward for *_, reward in SEGMENTS], dtype=torch.float64)
+    is_gae = estimator == "gae"
+    heads = compute_segment_heads(mask, gamma=gamma, lam=lam if is_gae else 1.0, values=values if is_gae else None,
+                                  token_kl=kl, kl_coef=KL_COEF)
+    links = chain_segments(heads, rewards, torch.tensor([r for r, *_ in SEGMENTS]),
+                           torch.tensor([s for _, s, *_ in SEGMENTS]), gamma=gamma, lam=lam if is_gae else 1.0)
+    if is_gae:
+        return compute_gae_advantages(links.rewards, values, mask, gamma=gamma, lam=lam, token_kl=kl, kl_coef=KL_COEF,
+                                      whiten_advantages=False, next_values=links.next_values,
+                                      next_advantages=links.next_advantages)
+    return compute_reinforce_pp_advantages(links.rewards, mask, gamma=gamma, token_kl=kl, kl_coef=KL_COEF,
+                                           whiten_returns=False, next_returns=links.next_advantages), None
+
+
+@pytest.mark.parametrize("estimator,gamma,lam", [("reinforce_pp", 0.9, 1.0), ("reinforce_pp", 1.0, 1.0),
+                                                 ("gae", 0.9, 0.8), ("gae", 1.0, 0.95), ("gae", 0.7, 0.0)])
+def test_segments_of_a_rollout_chain_like_one_concatenated_row(estimator, gamma, lam):
+    values, kl = segment_inputs(seed=11)
+    advantages, returns = chained_in_one_batch(values, kl, estimator=estimator, gamma=gamma, lam=lam)
+    expected_advantages, expected_returns = naive_chained(
+        values if estimator == "gae" else [[0.0] * len(v) for v in values], kl, gamma=gamma,
+        lam=lam if estimator == "gae" else 1.0)
+    torch.testing.assert_close(advantages, padded(expected_advantages, 0.0), rtol=1e-12, atol=1e-12)
+    if returns is not None:
+        torch.testing.assert_close(returns, padded(expected_returns, 0.0), rtol=1e-12, atol=1e-12)
+    # The chain moves the earlier segments: rollout 7's segment 0 (row 2) differs from itself alone.
+    _, _, mask, reward = SEGMENTS[2]
+    alone, _ = naive_gae([reward], [values[2]], [mask], [kl[2]], KL_COEF, gamma, lam) if estimator == "gae" else \
+        naive_gae([reward], [[0.0] * len(mask)], [mask], [kl[2]], KL_COEF, gamma, 1.0)
+    last = max(t for t, m in enumerate(mask) if m)
+    assert abs(advantages[2, last].item() - alone[0][last]) > 1e-3
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.9, 0.8), (1.0, 1.0)])
+def test_single_segment_rollouts_chain_to_exactly_the_unchained_result(gamma, lam):
+    rewards, values, mask, kl = token_inputs(seed=12)
+    heads = compute_segment_heads(mask, gamma=gamma, lam=lam, values=values, token_kl=kl, kl_coef=0.2)
+    links = chain_segments(heads, rewards, torch.arange(len(rewards)) * 5, torch.zeros(len(rewards), dtype=torch.long),
+                           gamma=gamma, lam=lam)
+    has_actions = mask.sum(dim=1) > 0  # a row without one has nowhere to put a reward, chained or not
+    assert not has_actions.all() and torch.equal(links.rewards[has_actions], rewards[has_actions])
+    assert (links.next_values == 0).all() and (links.next_advantages == 0).all()
+    chained = compute_gae_advantages(links.rewards, values, mask, gamma=gamma, lam=lam, token_kl=kl, kl_coef=0.2,
+                                     next_values=links.next_values, next_advantages=links.next_advantages)
+    plain = compute_gae_advantages(rewards, values, mask, gamma=gamma, lam=lam, token_kl=kl, kl_coef=0.2)
+    assert all(torch.equal(a, b) for a, b in zip(chained, plain))
+    chained = compute_reinforce_pp_advantages(links.rewards, mask, gamma=gamma, token_kl=kl, kl_coef=0.2,
+                                              next_returns=links.next_advantages)
+    assert torch.equal(chained, compute_reinforce_pp_advantages(rewards, mask, gamma=gamma, token_kl=kl, kl_coef=0.2))
+
+
+def test_chain_refuses_a_repeated_segment_index_and_mismatched_lengths():
+    heads = SegmentHeads(*torch.ones(3, 3, dtype=torch.float64))
+    rewards = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"rollout 4 has two experiences with the same segment index: \[0, 1, 1\]"):
+        chain_segments(heads, rewards, torch.tensor([4, 4, 4]), torch.tensor([1, 0, 1]), gamma=1.0)
+    with pytest.raises(ValueError, match="need one reward, segment index and head per experience"):
+        chain_segments(heads, rewards[:2], torch.tensor([4, 5, 6]), torch.tensor([0, 0, 0]), gamma=1.0)
+    with pytest.raises(ValueError, match="next_returns must be"):
+        compute_reinforce_pp_advantages(torch.zeros(2), torch.ones(2, 3), gamma=1.0, next_returns=torch.zeros(3))
+
+
+# Batch indices of each of 2 ranks: rollouts 7 and 3 have segments on both, 9 both on rank 1.
+RANK_SHARES = [[0, 2, 4, 6], [1, 3, 5, 7]]
+DISTRIBUTED_CASES = [("reinforce_pp", 0.9, 1.0, True), ("reinforce_pp", 1.0, 1.0, True), ("gae", 0.9, 0.8, True),
+                     ("gae", 0.95, 0.9, False)]
+
+
+def rows_of(per_experience: list[list[float]], micro_batch, own: list[int]) -> torch.Tensor:
+    """[batch, seq] the micro-batch's rows of a per-position list of each experience of the batch."""
+    width = micro_batch.action_mask.shape[1]
+    return torch.tensor([(per_experience[own[index]] + [0.0] * width)[:width] for index in micro_batch.rows],
+                        dtype=torch.float64)
+
+
+def chained_rank(rank, world_size):
+    """`set_token_advantages`, the learner's token path, with this rank's share of SEGMENTS in
+    micro-batches of at most 16 tokens; per case, each own experience's advantages and returns."""
+    # Imported here: molt.learner brings in the model stack, which the other tests here do not need.
+    from molt.batch import build_micro_batches, count_micro_batches
+    from molt.experience import Experience
+    from molt.learner import BatchInfo, set_token_advantages
+
+    values, kl = segment_inputs(seed=13)
+    experiences = [Experience(token_ids=[5] * len(mask), action_mask=mask, behavior_logprobs=[0.0] * len(mask),
+                              policy_versions=[0 if m else -1 for m in mask], reward=reward, score=reward, group_id=0,
+                              rollout_id=rollout, segment_index=segment)
+                   for rollout, segment, mask, reward in SEGMENTS]
+    own = RANK_SHARES[rank]
+    info = BatchInfo(rollout_ids=[r for r, *_ in SEGMENTS], group_ids=[0] * len(SEGMENTS),
+                     rewards=[reward for *_, reward in SEGMENTS], own=own,
+                     segment_indices=[s for _, s, *_ in SEGMENTS])
+    results = []
+    for estimator, gamma, lam, whiten_advantages in DISTRIBUTED_CASES:
+        mine = [experiences[i] for i in own]
+        # One empty micro-batch more than needed: the filler row every rank may get must link to nothing.
+        count = count_micro_batches(mine, max_tokens_per_micro_batch=16) + 1
+        micro_batches = build_micro_batches(mine, max_tokens_per_micro_batch=16, pad_token_id=0,
+                                            num_micro_batches=count)
+        for micro_batch in micro_batches:  # as the learner sets them: 0 off the action tokens
+            micro_batch.old_values = rows_of(values, micro_batch, own) * micro_batch.action_mask
+        token_kls = [rows_of(kl, micro_batch, own) * micro_batch.action_mask for micro_batch in micro_batches]
+        set_token_advantages(micro_batches, info, token_kls, estimator=estimator, gamma=gamma, lam=lam,
+                             kl_coef=KL_COEF, whiten_advantages=whiten_advantages, group=dist.group.WORLD,
+                             device=torch.device("cpu"))
+        out = {}
+        for micro_batch in micro_batches:
+            for row, index in enumerate(micro_batch.rows):
+                if index < 0:
+                    assert (micro_batch.advantages[row] == 0).all()
+                    continue
+                length = len(SEGMENTS[own[index]][2])
+                returns = None if micro_batch.returns is None else micro_batch.returns[row, :length]
+                out[own[index]] = (micro_batch.advantages[row, :length].to(torch.float64), returns,
+                                   len(micro_batches))
+        results.append(out)
+    return results
+
+
+def test_chained_segments_on_different_ranks_match_the_naive_rollout():
+    values, kl = segment_inputs(seed=13)
+    per_rank = run_ranks(chained_rank, 2)
+    for case, (estimator, gamma, lam, whiten_advantages) in enumerate(DISTRIBUTED_CASES):
+        merged = {index: result for rank in per_rank for index, result in rank[case].items()}
+        assert sorted(merged) == list(range(len(SEGMENTS)))
+        assert max(result[2] for result in merged.values()) > 1  # several micro-batches on a rank
+        is_gae = estimator == "gae"
+        expected, expected_returns = naive_chained(values if is_gae else [[0.0] * len(v) for v in values], kl,
+                                                   gamma=gamma, lam=lam if is_gae else 1.0)
+        actions = [(s, t) for s, (_, _, mask, _) in enumerate(SEGMENTS) for t, m in enumerate(mask) if m]
+        if whiten_advantages:
+            flat = python_whiten([expected[s][t] for s, t in actions])
+            expected = [[0.0] * len(row) for row in expected]
+            for (s, t), value in zip(actions, flat):
+                expected[s][t] = value
+        for index, (advantages, returns, _) in merged.items():
+            # The micro-batch keeps its advantages in the action mask's float32.
+            torch.testing.assert_close(advantages, torch.tensor(expected[index], dtype=torch.float64),
+                                       rtol=1e-6, atol=1e-6, msg=lambda m: f"{estimator} experience {index}: {m}")
+            if is_gae:
+                torch.testing.assert_close(returns, torch.tensor(expected_returns[index], dtype=torch.float64),
+                                           rtol=1e-12, atol=1e-12)
+        if is_gae and not whiten_advantages:
+            # Rollout 8 has one segment: exactly what the unchained estimator gives its row.
+            mask = torch.tensor([SEGMENTS[4][2]], dtype=torch.float32)
+            alone, _ = compute_gae_advantages(torch.tensor([SEGMENTS[4][3]], dtype=torch.float64),
+                                              torch.tensor([values[4]], dtype=torch.float64) * mask, mask,
+                                              gamma=gamma, lam=lam, token_kl=torch.tensor([kl[4]]).double() * mask,
+                                              kl_coef=KL_COEF, whiten_advantages=False)
+            assert torch.equal(merged[4][0], alone[0].float().double())

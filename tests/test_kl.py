@@ -110,3 +110,59 @@ def test_adaptive_controller_follows_ziegler_update():
 def test_adaptive_controller_refuses_bad_fields(fields):
     with pytest.raises(ValueError, match="AdaptiveKLController"):
         AdaptiveKLController(**fields)
+
+
+def naive_clamped_k3(d: float, clamp: float) -> tuple[float, float]:
+    """(value, d value / d logp) of k3 capped at `clamp`, one token at a time; d already within +-20."""
+    value = math.exp(-d) - 1 + d
+    if value > clamp:
+        return clamp, 0.0
+    return value, 1 - math.exp(-d)
+
+
+def test_k3_clamp_matches_a_naive_loop_in_value_and_gradient():
+    generator = torch.Generator().manual_seed(2)
+    logprobs = (-6 * torch.rand(200, generator=generator, dtype=torch.float64)).requires_grad_()
+    ref = -6 * torch.rand(200, generator=generator, dtype=torch.float64)
+    values = compute_kl_estimate(logprobs, ref, estimator="k3", clamp=2.0)
+    values.sum().backward()
+    expected = [naive_clamped_k3(d, 2.0) for d in (logprobs - ref).tolist()]
+    torch.testing.assert_close(values.detach(), torch.tensor([v for v, _ in expected], dtype=torch.float64))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([g for _, g in expected], dtype=torch.float64))
+    capped = sum(v == 2.0 for v, _ in expected)
+    assert 0 < capped < 200, "the draw must hold tokens on both sides of the cap"
+
+
+def test_a_huge_log_ratio_gives_a_bounded_k3_value_and_gradient():
+    # logp far below the reference (d = -1e4, clamped to -20): k3 = exp(20) - 21 ~ 4.9e8 uncapped.
+    logprobs = torch.tensor([-1e4, 0.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([0.0, -1e4, -1.0], dtype=torch.float64)
+    mask = torch.ones(3, dtype=torch.float64)
+    uncapped, _ = compute_kl_loss(logprobs, ref, mask, estimator="k3", coef=1.0, denominator=1.0)
+    assert uncapped.item() > 4e8
+    loss, stats = compute_kl_loss(logprobs, ref, mask, estimator="k3", coef=1.0, denominator=1.0, clamp=10.0)
+    loss.backward()
+    # Both extreme tokens sit at the cap (the second: 20 - 1 + exp(-20) = 19 > 10), the third at 0.
+    assert loss.item() == 20.0 and stats["ref_kl_sum"].item() == 20.0
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad.abs().max().item() == 0.0
+    # Below the cap the gradient is 1 - exp(-d), largest in size where k3 meets the cap: d ~ -2.63.
+    d = torch.linspace(-20, 20, 4001, dtype=torch.float64, requires_grad=True)
+    compute_kl_estimate(d, torch.zeros_like(d), estimator="k3", clamp=10.0).sum().backward()
+    assert d.grad.abs().max().item() < 14.0
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2"])
+def test_the_clamp_leaves_k1_and_k2_alone(estimator):
+    logprobs = torch.tensor([-1e4, 0.0, -1.0], dtype=torch.float64)
+    ref = torch.tensor([0.0, -1e4, -1.0], dtype=torch.float64)
+    torch.testing.assert_close(compute_kl_estimate(logprobs, ref, estimator=estimator, clamp=1.0),
+                               compute_kl_estimate(logprobs, ref, estimator=estimator))
+
+
+def test_the_clamp_reaches_the_reward_penalty():
+    logprobs = torch.tensor([-1e4, -1.0, -0.3], dtype=torch.float64)
+    ref = torch.tensor([0.0, -2.0, -0.3], dtype=torch.float64)
+    mask = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    penalty = compute_kl_reward_penalty(logprobs, ref, mask, estimator="k3", coef=0.5, clamp=10.0)
+    expected = [0.5 * naive_clamped_k3(-20.0, 10.0)[0], 0.5 * naive_clamped_k3(1.0, 10.0)[0], 0.0]
+    torch.testing.assert_close(penalty, torch.tensor(expected, dtype=torch.float64))

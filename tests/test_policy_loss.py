@@ -3,14 +3,19 @@ import math
 import pytest
 import torch
 
-from molt.objectives.kl import compute_kl_loss
+from molt.objectives.kl import compute_kl_estimate, compute_kl_loss
 from molt.objectives.policy_loss import (
+    LOSS_AGGREGATIONS,
     MAX_ABS_LOG_RATIO,
+    aggregate_tokens,
     compute_cispo_loss,
     compute_entropy_bonus,
     compute_gspo_loss,
     compute_importance_weights,
+    compute_loss_denominator,
     compute_ppo_clip_loss,
+    compute_trust_region_weights,
+    count_sequences,
     token_entropy_from_logits,
 )
 
@@ -334,8 +339,9 @@ def test_entropy_bonus_is_negative_masked_sum_over_denominator():
     torch.testing.assert_close(entropy.grad, -0.001 * mask)
 
 
-def window_terms(logits, tokens, old, behavior, ref, advantages, mask, rows, level, denominator):
-    """Policy + KL + entropy terms of the micro-batch made of `rows`, padded to its own width."""
+def window_terms(logits, tokens, old, behavior, ref, advantages, mask, rows, level, aggregation):
+    """Policy + KL + entropy terms of the micro-batch made of `rows`, padded to its own width, each
+    token divided by its `aggregation` denominator over the whole window (mask)."""
     width = int(torch.nonzero(mask[rows].sum(dim=0)).max()) + 1
     index = torch.tensor(rows)
     micro_logits = logits[index, :width]  # [micro_batch, width, vocab]
@@ -343,6 +349,9 @@ def window_terms(logits, tokens, old, behavior, ref, advantages, mask, rows, lev
         torch.log_softmax(micro_logits, dim=-1).gather(-1, tokens[index, :width, None]).squeeze(-1)
     )
     micro_mask = mask[index, :width]
+    denominator = compute_loss_denominator(
+        micro_mask, aggregation=aggregation, window_tokens=int(mask.sum()), window_sequences=count_sequences(mask),
+        constant_tokens=16)
     micro_old = old[index, :width]
     low, high = {"token": (0.8, 1.25), "seq": (0.5, 2.0), "geo": (0.9, 1.1)}[level]
     weights, stats = compute_importance_weights(
@@ -359,16 +368,17 @@ def window_terms(logits, tokens, old, behavior, ref, advantages, mask, rows, lev
         dual_clip=3.0,
         importance_weights=weights,
     )
-    kl, _ = compute_kl_loss(
-        logprobs, ref[index, :width], micro_mask, estimator="k3", coef=0.05, denominator=denominator
-    )
+    # as the actor aggregates the KL term (compute_kl_loss takes one number as its denominator)
+    kl = 0.05 * aggregate_tokens(compute_kl_estimate(logprobs, ref[index, :width], estimator="k3"), micro_mask,
+                                 denominator=denominator)
     entropy = token_entropy_from_logits(micro_logits, chunk_rows=4)
     bonus, _ = compute_entropy_bonus(entropy, micro_mask, coef=0.01, denominator=denominator)
     return policy + kl + bonus, stats
 
 
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("level", ["token", "seq", "geo"])
-def test_window_gradient_is_invariant_to_micro_batch_partition(level):
+def test_window_gradient_is_invariant_to_micro_batch_partition(level, aggregation):
     num_rows, seq, vocab = 8, 12, 6
     generator = torch.Generator().manual_seed(8)
     base, noisy, mask = build_rows(seed=9, num_rows=num_rows, seq=seq)
@@ -381,14 +391,13 @@ def test_window_gradient_is_invariant_to_micro_batch_partition(level):
     ref = current + 0.2 * torch.randn(num_rows, seq, generator=generator, dtype=torch.float64)
     row_advantage = 2 * torch.randn(num_rows, 1, generator=generator, dtype=torch.float64)
     advantages = row_advantage * mask
-    denominator = mask.sum().item()  # the whole window's action tokens, shared by every micro-batch
 
     def window_gradient(partition):
         leaf = logits.clone().requires_grad_()
         rejected = kept = 0.0
         for rows in partition:
             loss, stats = window_terms(
-                leaf, tokens, old, behavior, ref, advantages, mask, rows, level, denominator
+                leaf, tokens, old, behavior, ref, advantages, mask, rows, level, aggregation
             )
             loss.backward()
             rejected += stats["rejected_tokens"].item()
@@ -457,10 +466,11 @@ def test_sequence_losses_match_naive_loops(kind):
         assert (logprobs.grad[mask > 0] != 0).all()
 
 
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("kind", ["gspo", "cispo"])
-def test_sequence_losses_are_invariant_to_micro_batch_partition(kind):
-    """Rows are whole sequences, so splitting the window's rows over micro-batches (one shared
-    denominator) leaves the gradient unchanged (float64)."""
+def test_sequence_losses_are_invariant_to_micro_batch_partition(kind, aggregation):
+    """Rows are whole sequences, so splitting the window's rows over micro-batches (denominators
+    from the whole window's counts and each row's own tokens) leaves the gradient unchanged (float64)."""
     num_rows, seq, vocab = 8, 12, 6
     generator = torch.Generator().manual_seed(13)
     old, _, mask = build_rows(seed=14, num_rows=num_rows, seq=seq)
@@ -468,12 +478,13 @@ def test_sequence_losses_are_invariant_to_micro_batch_partition(kind):
     tokens = torch.randint(vocab, (num_rows, seq), generator=generator)
     advantages = 2 * torch.randn(num_rows, 1, generator=generator, dtype=torch.float64) * mask
     compute = compute_gspo_loss if kind == "gspo" else compute_cispo_loss
-    denominator = mask.sum().item()
 
     def window_gradient(partition):
         leaf = logits.clone().requires_grad_()
         for rows in partition:
             logprobs = torch.log_softmax(leaf[rows], dim=-1).gather(-1, tokens[rows, :, None]).squeeze(-1)
+            denominator = compute_loss_denominator(mask[rows], aggregation=aggregation, window_tokens=int(mask.sum()),
+                                                   window_sequences=num_rows, constant_tokens=16)
             loss, _ = compute(logprobs, old[rows], advantages[rows], mask[rows], clip_eps_low=0.2, clip_eps_high=0.28,
                               denominator=denominator)
             loss.backward()
@@ -483,3 +494,166 @@ def test_sequence_losses_are_invariant_to_micro_batch_partition(kind):
     assert whole.abs().max() > 0
     for partition in ([[0, 1], [2, 3, 4, 5, 6, 7]], [[7], [0, 3, 5], [6, 1], [4, 2]]):
         torch.testing.assert_close(window_gradient(partition), whole, rtol=0.0, atol=1e-12)
+
+
+# -- loss aggregation ------------------------------------------------------------------------------
+
+
+def naive_token_weights(mask_rows, aggregation, constant_tokens):
+    """Row by row: the weight of each action token in the window's loss (0 elsewhere)."""
+    lengths = [sum(1 for m in row if m) for row in mask_rows]
+    sequences = sum(1 for n in lengths if n > 0)
+    weights = []
+    for row, n in zip(mask_rows, lengths):
+        if aggregation == "token_mean":
+            weight = 1 / sum(lengths)
+        elif aggregation == "seq_mean_token_mean":
+            weight = 1 / (n * sequences) if n else 0.0
+        else:
+            weight = 1 / (sequences * constant_tokens)
+        weights.append([weight if m else 0.0 for m in row])
+    return weights
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_loss_denominators_match_naive_token_weights(aggregation):
+    _, _, mask = build_rows(seed=21, num_rows=6)
+    mask[3] = 0.0  # a filler row: no action tokens, not a sequence
+    assert count_sequences(mask) == 5
+    denominator = compute_loss_denominator(mask, aggregation=aggregation, window_tokens=int(mask.sum()),
+                                           window_sequences=count_sequences(mask), constant_tokens=16)
+    weights = torch.where(mask > 0, 1 / torch.as_tensor(denominator, dtype=torch.float64), torch.zeros_like(mask))
+    expected = torch.tensor(naive_token_weights(mask.tolist(), aggregation, 16), dtype=torch.float64)
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=0.0)
+    if aggregation != "constant":  # a mean: the window's weights add up to 1
+        assert math.isclose(weights.sum().item(), 1.0, rel_tol=1e-12)
+
+
+def naive_ppo_row(logprobs, old, advantages, mask, weights, low, high):
+    """One row of PPO-clip: (summed loss, d loss / d logprobs per token), token by token."""
+    total, grads = 0.0, []
+    for lp, olp, adv, m, w in zip(logprobs, old, advantages, mask, weights):
+        if not m:
+            grads.append(0.0)
+            continue
+        ratio = math.exp(clamp_log(lp - olp))
+        clipped = min(max(ratio, 1 - low), 1 + high)
+        total += -w * min(ratio * adv, clipped * adv)
+        grads.append(-w * adv * ratio if ratio * adv <= clipped * adv else 0.0)
+    return total, grads
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+def test_aggregated_losses_match_naive_loops(kind, aggregation):
+    """Value and gradient of each policy loss and of the entropy bonus under each aggregation, against
+    loops that weight each row's token terms by the naive token weights (float64)."""
+    old, behavior, mask = build_rows(seed=22)
+    generator = torch.Generator().manual_seed(23)
+    logprobs = (old + 0.5 * torch.randn(old.shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    advantages = (2 * torch.randn(old.shape[0], 1, generator=generator, dtype=torch.float64)) * mask
+    weights, _ = compute_importance_weights(old, behavior, mask, level="token", mode="trunc", low=0.5, high=1.3)
+    low, high = (0.02, 0.02) if kind == "gspo" else (0.2, 0.28)
+    denominator = compute_loss_denominator(mask, aggregation=aggregation, window_tokens=int(mask.sum()),
+                                           window_sequences=count_sequences(mask), constant_tokens=16)
+    compute = {"ppo": compute_ppo_clip_loss, "gspo": compute_gspo_loss, "cispo": compute_cispo_loss}[kind]
+    loss, _ = compute(logprobs, old, advantages, mask, clip_eps_low=low, clip_eps_high=high, denominator=denominator,
+                      importance_weights=weights)
+    loss.backward()
+
+    token_weights = naive_token_weights(mask.tolist(), aggregation, 16)
+    expected, expected_grads = 0.0, []
+    rows = zip(logprobs.tolist(), old.tolist(), advantages.tolist(), mask.tolist(), weights.tolist(), token_weights)
+    for lp_row, old_row, adv_row, mask_row, w_row, share_row in rows:
+        share = max(share_row)  # every action token of a row weighs the same
+        if kind == "ppo":
+            row_loss, row_grads = naive_ppo_row(lp_row, old_row, adv_row, mask_row, w_row, low, high)
+        else:
+            row_loss, row_grads = naive_sequence_losses(kind, [lp_row], [old_row], [adv_row], [mask_row], [w_row],
+                                                        low, high, 1.0)
+            row_grads = row_grads[0]
+        expected += share * row_loss
+        expected_grads.append([share * g for g in row_grads])
+    assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    torch.testing.assert_close(logprobs.grad, torch.tensor(expected_grads, dtype=torch.float64), rtol=1e-12,
+                               atol=1e-15)
+
+    entropy = torch.rand(old.shape, generator=generator, dtype=torch.float64).requires_grad_()
+    bonus, _ = compute_entropy_bonus(entropy, mask, coef=0.01, denominator=denominator)
+    bonus.backward()
+    naive_bonus = -0.01 * sum(h * s for h_row, s_row in zip(entropy.tolist(), token_weights)
+                              for h, s in zip(h_row, s_row))
+    assert math.isclose(bonus.item(), naive_bonus, rel_tol=1e-12)
+    torch.testing.assert_close(entropy.grad, -0.01 * torch.tensor(token_weights, dtype=torch.float64))
+
+
+def test_loss_aggregation_refuses_bad_options():
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="loss aggregation must be one of .* got 'sum'"):
+        compute_loss_denominator(mask, aggregation="sum", window_tokens=6, window_sequences=2)
+    with pytest.raises(ValueError, match="constant_tokens >= 1, got 0"):
+        compute_loss_denominator(mask, aggregation="constant", window_tokens=6, window_sequences=2)
+
+
+# -- sequence trust region -------------------------------------------------------------------------
+
+
+def naive_trust_region(old, behavior, mask, max_kl, cap, base_weights):
+    """Row by row: per-token weights, and each row's mean k3 KL(behaviour || trainer) (None: no actions)."""
+    weights, row_kls = [], []
+    for old_row, behavior_row, mask_row, base_row in zip(old, behavior, mask, base_weights):
+        gaps = [clamp_log(o - b) for o, b, m in zip(old_row, behavior_row, mask_row) if m]
+        row_kl = sum(math.exp(d) - 1 - d for d in gaps) / len(gaps) if gaps else None
+        row_kls.append(row_kl)
+        keep = row_kl is not None and row_kl <= max_kl
+        weights.append([min(base, cap) if m and keep else 0.0 for m, base in zip(mask_row, base_row)])
+    return weights, row_kls
+
+
+@pytest.mark.parametrize("with_importance", [False, True])
+def test_trust_region_weights_match_naive_loop(with_importance):
+    old, behavior, mask = build_rows(seed=24)  # behaviour noisier on later rows
+    mask[5] = 0.0  # a row without action tokens is not a sequence
+    importance = None
+    if with_importance:
+        importance, _ = compute_importance_weights(old, behavior, mask, level="token", mode="mask", low=0.8, high=1.5)
+    ratio = torch.exp(old - behavior) * mask
+    base = (importance if with_importance else ratio).tolist()
+    weights, stats = compute_trust_region_weights(old, behavior, mask, max_kl=0.05, weight_cap=1.2,
+                                                  importance_weights=importance)
+    expected, row_kls = naive_trust_region(old.tolist(), behavior.tolist(), mask.tolist(), 0.05, 1.2, base)
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0.0)
+
+    kls = [kl for kl in row_kls if kl is not None]
+    rejected = [row for row, kl in enumerate(row_kls) if kl is not None and kl > 0.05]
+    assert 0 < len(rejected) < len(kls), "inputs should reject some rows, keep some"
+    assert all(weights[row].abs().sum() == 0 for row in rejected)
+    assert stats["trust_region_sequences"].item() == len(kls) == 7
+    assert stats["trust_region_rejected_sequences"].item() == len(rejected)
+    assert stats["trust_region_rejected_tokens"].item() == sum(mask[row].sum().item() for row in rejected)
+    assert math.isclose(stats["trust_region_kl_sum"].item(), sum(kls), rel_tol=1e-12)
+    assert math.isclose(stats["trust_region_kl_max"].item(), max(kls), rel_tol=1e-12)
+    k3 = (ratio - 1 - (old - behavior)) * mask
+    assert math.isclose(stats["mismatch_kl_sum"].item(), k3.sum().item(), rel_tol=1e-12)
+
+
+def test_trust_region_sees_the_divergence_that_the_mean_log_ratio_hides():
+    """Row 0's log-ratios alternate +-0.2: its mean log-ratio is 0 (geo-mask keeps it) but its KL is
+    ~0.02 > 1e-3; row 1's are all 0.01 (KL 5e-5), kept, its weights the token ratios."""
+    behavior = torch.zeros(2, 4, dtype=torch.float64)
+    old = torch.tensor([[0.2, -0.2, 0.2, -0.2], [0.01] * 4], dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.float64)
+    geo, _ = compute_importance_weights(old, behavior, mask, level="geo", mode="mask", low=0.9, high=1.5)
+    assert (geo[0] > 0).all()
+    weights, stats = compute_trust_region_weights(old, behavior, mask, max_kl=1e-3, weight_cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.0] * 4, [math.exp(0.01)] * 4], dtype=torch.float64))
+    assert stats["trust_region_rejected_sequences"].item() == 1
+    row0 = (math.exp(0.2) - 1.2 + math.exp(-0.2) - 0.8) / 2
+    assert math.isclose(stats["trust_region_kl_max"].item(), row0, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(("max_kl", "cap"), [(0.0, 2.0), (-1e-3, 2.0), (1e-3, 0.0)])
+def test_trust_region_refuses_bad_options(max_kl, cap):
+    old, behavior, mask = build_rows(seed=4, num_rows=2)
+    with pytest.raises(ValueError, match="max_kl > 0 and weight_cap > 0"):
+        compute_trust_region_weights(old, behavior, mask, max_kl=max_kl, weight_cap=cap)

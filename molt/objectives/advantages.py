@@ -2,8 +2,11 @@
 
 Group estimators take one reward per rollout (a rollout with several segments counts once) and
 return one advantage per rollout. Token estimators take right-padded [batch, seq] rows and return
-one advantage per token, 0 off the action tokens; each row is one episode that ends at its last
-action token, and observation tokens between action ranges are skipped, not episode ends.
+one advantage per token, 0 off the action tokens; each row is one segment of an episode, and
+observation tokens between action ranges are skipped, not episode ends. A row ends its episode at
+its last action token unless the caller passes what follows it: a rollout of several segments
+(experiences) chains them (`compute_segment_heads`, then `chain_segments`), so its returns and
+its GAE run through all of its action tokens in segment order, as if they were one row.
 """
 
 from __future__ import annotations
@@ -221,6 +224,16 @@ def _check_token_shapes(
                              f"{tuple(action_mask.shape)}, got {tuple(tensor.shape)}")
 
 
+def _check_row_shapes(rewards: Tensor, **row_tensors: Tensor | None) -> None:
+    for name, tensor in row_tensors.items():
+        if tensor is not None and tensor.shape != rewards.shape:
+            raise ValueError(f"{name} must be [batch] like rewards {tuple(rewards.shape)}, got {tuple(tensor.shape)}")
+
+
+def _float64_or_none(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.to(torch.float64)
+
+
 def _build_token_rewards(
     rewards: Tensor, action: Tensor, token_kl: Tensor | None, kl_coef: float
 ) -> Tensor:
@@ -233,20 +246,39 @@ def _build_token_rewards(
     return token_rewards + torch.where(is_last, rewards.to(torch.float64)[:, None], zeros)
 
 
-def _discounted_sum_over_actions(x: Tensor, action: Tensor, discount: float) -> Tensor:
+def _discounted_sum_over_actions(x: Tensor, action: Tensor, discount: float, after: Tensor | None = None) -> Tensor:
     """[batch, seq]: at each action token, sum over it and the later action tokens j of its row
-    of discount^(number of action tokens from it to j) * x_j; 0 off the action tokens."""
+    of discount^(number of action tokens from it to j) * x_j, plus discount^(number of action
+    tokens from it to the row's end) * after (the sum that continues past the row: [batch], None
+    for 0); 0 off the action tokens."""
     zeros = torch.zeros_like(x)
     x = torch.where(action, x, zeros)
     if discount == 1.0:
-        return torch.where(action, x.flip(1).cumsum(1).flip(1), zeros)
+        sums = x.flip(1).cumsum(1).flip(1)
+        return torch.where(action, sums if after is None else sums + after[:, None], zeros)
     sums = torch.zeros_like(x)
-    running = x.new_zeros(x.shape[0])  # [batch] the sum from the next action token on
+    # [batch] the sum from the next action token on
+    running = x.new_zeros(x.shape[0]) if after is None else after.to(x.dtype)
     for t in reversed(range(x.shape[1])):
         # An observation token leaves the running sum untouched: it is not an episode end.
         running = torch.where(action[:, t], x[:, t] + discount * running, running)
         sums[:, t] = running
     return torch.where(action, sums, zeros)
+
+
+def _next_action_values(current: Tensor, action: Tensor, after: Tensor | None) -> Tensor:
+    """[batch, seq]: at each token, `current` at the next action token of its row, across any
+    observation gap; past the row's last action token, `after` ([batch], None for 0)."""
+    # Index of each token's next action token in its row; seq_len (the `after` column) past the last one.
+    seq_len = action.shape[1]
+    positions = torch.arange(seq_len, device=action.device).expand_as(action)
+    action_positions = torch.where(action, positions, torch.full_like(positions, seq_len))
+    next_position = action_positions.flip(1).cummin(dim=1).values.flip(1)  # this or later
+    past_end = torch.full_like(next_position[:, :1], seq_len)
+    next_position = torch.cat([next_position[:, 1:], past_end], dim=1)  # strictly later
+    last_column = torch.zeros_like(current[:, :1]) if after is None else after[:, None].to(current.dtype)
+    padded = torch.cat([current, last_column], dim=1)  # [batch, seq + 1]
+    return padded.gather(1, next_position)
 
 
 def compute_reinforce_pp_advantages(
@@ -258,6 +290,7 @@ def compute_reinforce_pp_advantages(
     kl_coef: float = 0.0,
     whiten_returns: bool = True,
     eps: float = 1e-8,
+    next_returns: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ advantages: whitened discounted returns of per-token rewards.
 
@@ -280,14 +313,18 @@ def compute_reinforce_pp_advantages(
             caller that whitens over a batch spread across micro-batches or ranks (`whiten` with
             the summed `masked_moments`).
         eps: added to the std in the whitening.
+        next_returns: [batch] the return at the first action token after each row's last one (its
+            rollout's next segment: `chain_segments`), discounted by gamma into the row; None: every
+            row ends its episode (0).
 
     Returns:
         [batch, seq] advantages, 0 off the action tokens, same dtype as `rewards`.
     """
     _check_token_shapes(rewards, action_mask, token_kl=token_kl)
+    _check_row_shapes(rewards, next_returns=next_returns)
     action = action_mask > 0
     token_rewards = _build_token_rewards(rewards, action, token_kl, kl_coef)
-    returns = _discounted_sum_over_actions(token_rewards, action, gamma)
+    returns = _discounted_sum_over_actions(token_rewards, action, gamma, _float64_or_none(next_returns))
     if not whiten_returns:
         return returns.to(rewards.dtype)
     return whiten(returns, action, eps=eps).to(rewards.dtype)
@@ -304,6 +341,8 @@ def compute_gae_advantages(
     kl_coef: float = 0.0,
     whiten_advantages: bool = True,
     eps: float = 1e-8,
+    next_values: Tensor | None = None,
+    next_advantages: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation over the action tokens of each row, and the value targets.
 
@@ -312,7 +351,8 @@ def compute_gae_advantages(
     delta_k = r_k + gamma * V_{k+1} - V_k and A_k = delta_k + gamma * lam * A_{k+1}, where r_k is
     the per-token reward of `compute_reinforce_pp_advantages` (KL penalty, plus the row's reward
     on its last action token), V_{k+1} is the value at the row's next action token, across any
-    observation gap, and 0 after the last action token (episode end). With lam = 1 this is the
+    observation gap, and 0 after the last action token (episode end) unless the row continues
+    (`next_values`, `next_advantages`: a rollout's next segment). With lam = 1 this is the
     discounted return minus the value.
 
     returns = advantages + values on the action tokens, from the advantages before whitening:
@@ -330,29 +370,134 @@ def compute_gae_advantages(
         kl_coef: weight of the KL penalty in the reward.
         whiten_advantages: whiten the advantages over the masked tokens (`whiten`).
         eps: added to the std in the whitening.
+        next_values: [batch] the value at the first action token after each row's last one (its
+            rollout's next segment: `chain_segments`); None: every row ends its episode (0).
+        next_advantages: [batch] the advantage at that token, before whitening; None: 0.
 
     Returns:
         (advantages, returns), both [batch, seq], 0 off the action tokens, same dtype as `rewards`.
     """
     _check_token_shapes(rewards, action_mask, values=values, token_kl=token_kl)
+    _check_row_shapes(rewards, next_values=next_values, next_advantages=next_advantages)
     action = action_mask > 0
     token_rewards = _build_token_rewards(rewards, action, token_kl, kl_coef)
     zeros = torch.zeros_like(token_rewards)
     current = torch.where(action, values.to(torch.float64), zeros)
-
-    # Index of each token's next action token in its row; seq_len (a 0 value) past the last one.
-    seq_len = action.shape[1]
-    positions = torch.arange(seq_len, device=action.device).expand_as(action)
-    action_positions = torch.where(action, positions, torch.full_like(positions, seq_len))
-    next_position = action_positions.flip(1).cummin(dim=1).values.flip(1)  # this or later
-    past_end = torch.full_like(next_position[:, :1], seq_len)
-    next_position = torch.cat([next_position[:, 1:], past_end], dim=1)  # strictly later
-    padded = torch.cat([current, torch.zeros_like(current[:, :1])], dim=1)  # [batch, seq + 1]
-    next_value = padded.gather(1, next_position)
-
+    next_value = _next_action_values(current, action, _float64_or_none(next_values))
     deltas = token_rewards + gamma * next_value - current
-    advantages = _discounted_sum_over_actions(deltas, action, gamma * lam)
+    advantages = _discounted_sum_over_actions(deltas, action, gamma * lam, _float64_or_none(next_advantages))
     returns = torch.where(action, advantages + current, zeros)
     if whiten_advantages:
         advantages = whiten(advantages, action, eps=eps)
     return advantages.to(rewards.dtype), returns.to(rewards.dtype)
+
+
+class SegmentHeads(NamedTuple):
+    """What the earlier segments of a rollout need of each row (one segment) to chain through it."""
+
+    head: Tensor  # [batch] float64, the row's own discounted sum at its first action token (below)
+    num_actions: Tensor  # [batch] float64, the row's action-token count
+    first_value: Tensor  # [batch] float64, the value at its first action token (0 without values or actions)
+
+
+def compute_segment_heads(
+    action_mask: Tensor,
+    *,
+    gamma: float,
+    lam: float = 1.0,
+    values: Tensor | None = None,
+    token_kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> SegmentHeads:
+    """Each row's head: its GAE advantage (values given) or REINFORCE++ return (values None, lam 1:
+    the same sum with 0 values) at its first action token, counting only its own KL rewards and
+    TD errors: no reward, and 0 value and advantage after its last action token. With what follows
+    the row added, `chain_segments` gives the advantage at the row's first action token.
+
+    Args:
+        action_mask: [batch, seq] 1 where the policy sampled the token.
+        gamma, lam: as in `compute_gae_advantages` (lam 1 for REINFORCE++).
+        values: [batch, seq] critic values (GAE); None: 0.
+        token_kl, kl_coef: the per-token KL penalty, as in `compute_reinforce_pp_advantages`.
+    """
+    batch = action_mask.shape[0]
+    no_rewards = torch.zeros(batch, dtype=torch.float64, device=action_mask.device)
+    _check_token_shapes(no_rewards, action_mask, values=values, token_kl=token_kl)
+    action = action_mask > 0
+    zeros = torch.zeros(action.shape, dtype=torch.float64, device=action.device)
+    current = zeros if values is None else torch.where(action, values.to(torch.float64), zeros)
+    deltas = (_build_token_rewards(no_rewards, action, token_kl, kl_coef)
+              + gamma * _next_action_values(current, action, None) - current)
+    place = (action.cumsum(dim=1) - 1).clamp(min=0)  # each action token's place in its row, 0 = first
+    weights = torch.where(action, torch.full_like(zeros, gamma * lam).pow(place), zeros)
+    first = action & (place == 0)
+    return SegmentHeads(head=(weights * torch.where(action, deltas, zeros)).sum(dim=1),
+                        num_actions=action.sum(dim=1).to(torch.float64),
+                        first_value=torch.where(first, current, zeros).sum(dim=1))
+
+
+class SegmentLinks(NamedTuple):
+    """Per experience, what follows its last action token in its rollout: the arguments that chain
+    it (`compute_reinforce_pp_advantages`, `compute_gae_advantages`)."""
+
+    rewards: Tensor  # [experiences] float64, its rollout's reward on the rollout's last segment, else 0
+    next_values: Tensor  # [experiences] float64, the value at the next segment's first action token
+    next_advantages: Tensor  # [experiences] float64, the advantage (REINFORCE++: return) there
+
+
+def chain_segments(
+    heads: SegmentHeads,
+    rewards: Tensor,
+    rollout_ids: Tensor,
+    segment_indices: Tensor,
+    *,
+    gamma: float,
+    lam: float = 1.0,
+) -> SegmentLinks:
+    """Chain the segments (experiences) of each rollout into one episode, in segment order.
+
+    A rollout's action tokens are taken in order across its segments, as one row: the rollout's
+    reward sits on its final action token (in its last segment that has one; earlier segments get
+    0), and a segment's last action token continues into the next segment's first action token
+    (its value for GAE's V_next, its advantage or return for the discounted sum); the rollout's
+    last segment ends the episode (0). Segments with no action token are skipped. Experiences of
+    different rollouts never chain; a rollout of one segment gets its own reward and 0, exactly
+    the unchained computation.
+
+    Args:
+        heads: [experiences] each experience's `compute_segment_heads` (same gamma and lam).
+        rewards: [experiences] each experience's rollout reward (the last segment's counts).
+        rollout_ids: [experiences] the rollout of each experience.
+        segment_indices: [experiences] each experience's place in its rollout (distinct per rollout).
+        gamma, lam: as in `compute_gae_advantages` (lam 1 for REINFORCE++).
+
+    Returns:
+        `SegmentLinks` per experience, float64.
+    """
+    num = len(rollout_ids)
+    if not (len(rewards) == len(segment_indices) == len(heads.head) == num):
+        raise ValueError(f"need one reward, segment index and head per experience: {num} rollout ids, "
+                         f"{len(rewards)} rewards, {len(segment_indices)} segment indices, {len(heads.head)} heads")
+    segments: dict[int, list[tuple[int, int]]] = {}  # rollout id -> [(segment index, experience)]
+    for experience, (rollout, segment) in enumerate(zip(rollout_ids.tolist(), segment_indices.tolist())):
+        segments.setdefault(rollout, []).append((segment, experience))
+    head, num_actions, first_value = (part.tolist() for part in heads)
+    reward_list = rewards.tolist()
+    reward_of, value_after, advantage_after = [0.0] * num, [0.0] * num, [0.0] * num
+    discount = gamma * lam
+    for rollout, members in segments.items():
+        order = sorted(members)
+        if len({segment for segment, _ in order}) != len(order):
+            raise ValueError(f"rollout {rollout} has two experiences with the same segment index: "
+                             f"{[segment for segment, _ in order]}; each segment needs its own")
+        value, advantage = 0.0, 0.0  # at the first action token of the segment after this one
+        for position, experience in enumerate(reversed([e for _, e in order if num_actions[e] > 0])):
+            reward = reward_list[experience] if position == 0 else 0.0
+            reward_of[experience], value_after[experience], advantage_after[experience] = reward, value, advantage
+            length = num_actions[experience]
+            advantage = (head[experience] + discount ** (length - 1) * (reward + gamma * value)
+                         + discount ** length * advantage)
+            value = first_value[experience]
+    links = (torch.tensor(values, dtype=torch.float64, device=rewards.device)
+             for values in (reward_of, value_after, advantage_after))
+    return SegmentLinks(*links)

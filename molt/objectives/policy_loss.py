@@ -1,8 +1,10 @@
 """Policy-gradient losses over token tensors (DESIGN section 8).
 
-Every loss here is a masked SUM over action tokens divided by `denominator`, the number of action
-tokens in the whole optimizer window (all micro-batches, all data-parallel ranks). Summing the
-gradients of these terms over the window then gives the token-mean gradient however the window is
+Every loss here is a masked SUM over action tokens, each token's term divided by `denominator`:
+one number for the whole optimizer window (its action-token count, for the token mean), or one per
+row (`compute_loss_denominator`, algorithm.loss_aggregation). The divisors depend only on counts
+over the whole window (all micro-batches, all data-parallel ranks) and on each row's own tokens, so
+summing the gradients of these terms over the window gives the same gradient however the window is
 split, and the statistics are masked sums that add across micro-batches and ranks.
 """
 
@@ -19,6 +21,63 @@ MAX_ABS_LOG_RATIO = 20.0
 
 ImportanceLevel = Literal["token", "seq", "geo"]
 ImportanceMode = Literal["mask", "clip", "trunc"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
+
+
+def aggregate_tokens(values: Tensor, action_mask: Tensor, *, denominator: float | Tensor) -> Tensor:
+    """Sum over action tokens of each token's value divided by its denominator: a number for every
+    token, or [rows, 1] one per row (rows are the last-but-one dimension of `values`)."""
+    masked = torch.where(action_mask > 0, values, torch.zeros_like(values))
+    return (masked / denominator).sum()
+
+
+def count_sequences(action_mask: Tensor) -> int:
+    """The rows of `action_mask` ([rows, seq]) holding at least one action token: the sequences that
+    the sequence aggregations average over (a filler row has none)."""
+    return int((action_mask > 0).any(dim=-1).sum().item())
+
+
+def compute_loss_denominator(
+    action_mask: Tensor,
+    *,
+    aggregation: LossAggregation,
+    window_tokens: int,
+    window_sequences: int,
+    constant_tokens: int = 0,
+) -> float | Tensor:
+    """What each action token's loss term is divided by, so that the window's terms, summed over its
+    micro-batches and ranks, make up one loss (`algorithm.loss_aggregation`):
+
+      - "token_mean": the window's action-token count, one number: every token weighs the same, and
+        long sequences weigh more than short ones.
+      - "seq_mean_token_mean": [rows, 1] each row's action-token count times the window's sequence
+        count: each sequence's token mean, then the mean over the sequences (GSPO's and GRPO's
+        original aggregation; Shao et al. 2024, arXiv:2402.03300, eq. 3).
+      - "constant": the window's sequence count times `constant_tokens`, one number: token sums over
+        a constant, so a token weighs the same in a short and a long sequence without the window's
+        total length entering (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training",
+        arXiv:2503.20783, which divides by the generation budget).
+
+    `window_tokens` and `window_sequences` count the whole window (all micro-batches and ranks; a
+    sequence is a row with an action token, `count_sequences`): they, and each row's own tokens,
+    are all the divisors depend on, so the window's loss and gradient do not depend on its split
+    into micro-batches, packing or ranks. Rejected tokens and sequences still count.
+
+    Args:
+        action_mask: [rows, seq] 1 where the token is a policy action, 0 elsewhere.
+        constant_tokens: "constant": tokens per sequence in the divisor (> 0).
+    """
+    if aggregation == "token_mean":
+        return float(max(window_tokens, 1))
+    if aggregation == "constant":
+        if constant_tokens < 1:
+            raise ValueError(f"constant aggregation needs constant_tokens >= 1, got {constant_tokens}")
+        return float(max(window_sequences, 1) * constant_tokens)
+    if aggregation == "seq_mean_token_mean":
+        row_tokens = (action_mask > 0).sum(dim=-1, keepdim=True).clamp(min=1)  # [rows, 1]
+        return row_tokens.to(action_mask.dtype) * max(window_sequences, 1)
+    raise ValueError(f"loss aggregation must be one of {', '.join(LOSS_AGGREGATIONS)}, got {aggregation!r}")
 
 
 def compute_ppo_clip_loss(
@@ -57,6 +116,8 @@ def compute_ppo_clip_loss(
         old_logprobs: [...] log-probs the ratio is taken against (no grad).
         advantages: [...] advantage of each token (0 off the action tokens is fine).
         action_mask: [...] 1 where the token is a policy action, 0 elsewhere.
+        denominator: what each token's term is divided by: the window's action-token count, or
+            [rows, 1] one number per row (`compute_loss_denominator`).
         dual_clip: None, or c > 1: a negative-advantage token's loss is capped at -c * A.
         importance_weights: None, or [...] per-token weights (no grad), 0 for rejected tokens.
 
@@ -82,7 +143,7 @@ def compute_ppo_clip_loss(
     if importance_weights is not None:
         per_token = per_token * importance_weights
     zeros = torch.zeros_like(per_token)
-    loss = torch.where(mask, per_token, zeros).sum() / denominator
+    loss = aggregate_tokens(per_token, mask, denominator=denominator)
 
     with torch.no_grad():
         maskf = mask.to(per_token.dtype)
@@ -114,7 +175,9 @@ def compute_gspo_loss(
     old_logprobs), and each of its tokens carries s_t = sg(s) * exp(logprobs_t - sg(logprobs_t))
     (equal to s in value, gradient s * grad logprobs_t). Per token: w * -min(s_t * A, clip(s_t,
     1 - clip_eps_low, 1 + clip_eps_high) * A): a sequence outside the band gives none of its tokens
-    a gradient. The paper's ranges are far narrower than PPO's (3e-4, 4e-4). Arguments and
+    a gradient. The paper's ranges are far narrower than PPO's (3e-4, 4e-4), and its objective
+    averages each sequence's token mean over the sequences: a per-row `denominator` from
+    `compute_loss_denominator(..., aggregation="seq_mean_token_mean")`. Arguments and
     statistics as `compute_ppo_clip_loss` ("ratio_sum" adds each token's sequence ratio;
     "clipped_tokens" counts the tokens of clipped sequences; "approx_kl_sum" stays per token).
     """
@@ -129,7 +192,7 @@ def compute_gspo_loss(
     per_token = torch.maximum(unclipped, clipped)
     if importance_weights is not None:
         per_token = per_token * importance_weights
-    loss = torch.where(mask, per_token, zeros).sum() / denominator
+    loss = aggregate_tokens(per_token, mask, denominator=denominator)
     with torch.no_grad():
         maskf = mask.to(per_token.dtype)
         token_ratio = torch.exp(log_ratio)
@@ -172,7 +235,7 @@ def compute_cispo_loss(
     if importance_weights is not None:
         per_token = per_token * importance_weights
     zeros = torch.zeros_like(per_token)
-    loss = torch.where(mask, per_token, zeros).sum() / denominator
+    loss = aggregate_tokens(per_token, mask, denominator=denominator)
     with torch.no_grad():
         maskf = mask.to(per_token.dtype)
         stats = {
@@ -285,6 +348,73 @@ def check_importance_options(*, level: str, mode: str, low: float, high: float) 
         raise ValueError(f"importance band needs 0 <= low < high, got low={low}, high={high}")
 
 
+def compute_trust_region_weights(
+    old_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    max_kl: float,
+    weight_cap: float,
+    importance_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Sequence trust region: every token of a row whose trainer/behaviour divergence exceeds
+    `max_kl` gets weight 0; the kept tokens' weights are capped at `weight_cap`.
+
+    Li et al. 2025, "Trust Region Masking for Long-Horizon LLM Reinforcement Learning"
+    (arXiv:2512.23075): the surrogate's error grows with the divergence anywhere in the sequence,
+    which per-token clipping cannot bound, so a sequence outside the trust region is masked whole
+    (the paper's threshold: 1e-3). A row's divergence is the mean over its action tokens of
+    k = exp(d) - 1 - d, d = old_logprobs - behavior_logprobs: Schulman's k3 estimator of
+    KL(behaviour || trainer) on the behaviour's own samples, >= 0 on every token, so, unlike the
+    mean log-ratio, tokens off in opposite directions do not cancel. It is the per-token estimator
+    of `compute_importance_weights`' "mismatch_kl_sum", averaged per row.
+
+    A kept token's weight is min(importance_weights, weight_cap), or, without importance weights,
+    min(exp(d), weight_cap) (truncated importance sampling). This is a stage after the importance
+    correction: it only zeroes rows and caps, and never changes a loss's denominator.
+
+    Args:
+        old_logprobs: [batch, seq] the trainer's log-probs of each token before the update.
+        behavior_logprobs: [batch, seq] log-probs recorded when the token was sampled.
+        action_mask: [batch, seq] 1 where the token is a policy action, 0 elsewhere.
+        max_kl: > 0, the largest per-token mean KL a kept row may have.
+        weight_cap: > 0, the largest weight of a kept token.
+        importance_weights: None, or [batch, seq] weights of `compute_importance_weights` (no grad).
+
+    Returns:
+        [batch, seq] weights (no grad; 0 off the action tokens and on rejected rows), and statistics
+        that add across micro-batches and ranks, except "trust_region_kl_max" (a maximum):
+        "trust_region_sequences" (rows with an action token), "trust_region_rejected_sequences",
+        "trust_region_rejected_tokens", "trust_region_kl_sum" (the rows' KLs), "mismatch_kl_sum".
+    """
+    if not (max_kl > 0 and weight_cap > 0):
+        raise ValueError(f"trust region needs max_kl > 0 and weight_cap > 0, got max_kl={max_kl}, "
+                         f"weight_cap={weight_cap}")
+    with torch.no_grad():
+        mask = action_mask > 0
+        gap = (old_logprobs - behavior_logprobs).clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+        log_ratio = torch.where(mask, gap, torch.zeros_like(gap))  # [batch, seq], 0 off actions
+        ratio = torch.exp(log_ratio)
+        token_kl = (ratio - 1) - log_ratio  # 0 off actions
+        num_actions = mask.sum(dim=-1, keepdim=True)  # [batch, 1]
+        sequence_kl = token_kl.sum(dim=-1, keepdim=True) / num_actions.clamp(min=1).to(token_kl.dtype)
+        has_actions = num_actions > 0
+        keep = mask & (sequence_kl <= max_kl)
+        base = ratio if importance_weights is None else importance_weights
+        weights = torch.where(keep, base.clamp(max=weight_cap), torch.zeros_like(base))
+        rejected_rows = has_actions & (sequence_kl > max_kl)
+        kl_of_rows = torch.where(has_actions, sequence_kl, torch.zeros_like(sequence_kl))
+        stats = {
+            "trust_region_sequences": has_actions.to(token_kl.dtype).sum(),
+            "trust_region_rejected_sequences": rejected_rows.to(token_kl.dtype).sum(),
+            "trust_region_rejected_tokens": (mask & ~keep).to(token_kl.dtype).sum(),
+            "trust_region_kl_sum": kl_of_rows.sum(),
+            "trust_region_kl_max": kl_of_rows.max() if kl_of_rows.numel() else token_kl.new_zeros(()),
+            "mismatch_kl_sum": token_kl.sum(),
+        }
+    return weights, stats
+
+
 def token_entropy_from_logits(logits: Tensor, *, chunk_rows: int = 1024) -> Tensor:
     """[...] entropy of softmax(logits) over the last (vocabulary) dimension, in float32 or wider.
 
@@ -325,7 +455,8 @@ def compute_entropy_bonus(
     coef: float,
     denominator: float | Tensor,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The entropy bonus as a loss term: -coef * sum of action-token entropies / `denominator`.
+    """The entropy bonus as a loss term: -coef * sum of action-token entropies / `denominator`
+    (a number, or [rows, 1] one per row, as for the policy losses).
 
     Williams and Peng 1991, "Function Optimization Using Connectionist Reinforcement Learning
     Algorithms"; as an added loss term in Mnih et al. 2016, "Asynchronous Methods for Deep
@@ -341,5 +472,5 @@ def compute_entropy_bonus(
     """
     mask = action_mask > 0
     masked = torch.where(mask, entropy, torch.zeros_like(entropy))
-    term = -coef * masked.sum() / denominator
+    term = -coef * aggregate_tokens(entropy, mask, denominator=denominator)
     return term, {"entropy_sum": masked.detach().sum()}
