@@ -23,5 +23,8 @@ mean = lambda xs: sum(xs) / len(xs)
 print(f"[demo] {len(rewards)} steps in {time.time() - float(sys.argv[2]):.0f}s (after set-up); "
       f"reward/mean first 10 steps {mean(first):.3f} -> last 10 steps {mean(last):.3f} "
       f"(rise {mean(last) - mean(first):+.3f})")
+evals = [(r["eval/step"], key, r[key]) for r in rows for key in r if key.startswith("eval/avg@") and "eval/step" in r]
+if evals:  # the held-out curve (eval.every_steps): every point, so the curve reads in the terminal
+    print(f"[demo] held-out {evals[0][1]} by step: " + ", ".join(f"{step:.0f}: {value:.3f}" for step, _, value in evals))
 PY
 echo "[demo] metrics: $OUT/metrics.jsonl  plot: $OUT/reward.png"

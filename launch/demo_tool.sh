@@ -10,10 +10,9 @@ case "$SDK" in
 esac
 [ $# -gt 0 ] && shift
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_demo.sh"
-TOOL_WARM_STEPS=200
-if ! grep -qs "\"steps\": $TOOL_WARM_STEPS," "$DEMO/model-tool-warm/warm_start.json"; then
-  echo "[demo] supervised warm start with the calculator tool ($TOOL_WARM_STEPS steps)"
-  "$PYTHON" tools/warm_start.py --model "$DEMO/model-warm" --data "$DEMO/data/train.jsonl" \
-    --out "$DEMO/model-tool-warm" --task tool --steps "$TOOL_WARM_STEPS" --learning-rate 3e-3
+if [ ! -f "$DEMO/data/tool_chats.jsonl" ]; then
+  "$PYTHON" tools/make_tool_chats.py "$DEMO/data/train.jsonl" "$DEMO/data/tool_chats.jsonl" --seed 0
 fi
+# The warm start with the calculator tool in the prompt (configs/demo.py:sft_tool; skipped when up to date).
+"$PYTHON" -m molt.sft --config configs/demo.py:sft_tool
 MOLT_DEMO_RECIPE="$RECIPE" MOLT_OUTPUT_DIR="${MOLT_OUTPUT_DIR:-runs/demo-tool-$SDK}" exec bash launch/demo.sh "$@"

@@ -11,26 +11,22 @@ mkdir -p "$DEMO"
 if [ ! -f "$DEMO/model/config.json" ]; then
   "$PYTHON" tools/make_tiny_model.py "$DEMO/model" --preset tiny --seed 0
 fi
-if [ ! -f "$DEMO/data/train.jsonl" ]; then
+# Redone for data written before the eval set held each of the 100 sums once (no settings.json).
+if [ ! -f "$DEMO/data/train.jsonl" ] || ! grep -qs "each of the 100 problems once" "$DEMO/data/settings.json"; then
   "$PYTHON" tools/make_demo_data.py "$DEMO/data" --seed 0
 fi
-# Redone when its settings change (they are recorded in warm_start.json).
-WARM_STEPS=160
-if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-warm/warm_start.json"; then
-  echo "[demo] supervised warm start ($WARM_STEPS steps)"
-  "$PYTHON" tools/warm_start.py --model "$DEMO/model" --data "$DEMO/data/train.jsonl" --out "$DEMO/model-warm" \
-    --steps "$WARM_STEPS"
-fi
+# Warm starts written by the former tools/warm_start.py (a warm_start.json, no sft.json) are redone.
+for old in model-warm model-moe-warm model-tool-warm; do
+  if [ -f "$DEMO/$old/warm_start.json" ] && [ ! -f "$DEMO/$old/sft.json" ]; then rm -rf "${DEMO:?}/$old"; fi
+done
+# The supervised warm start (configs/demo.py:sft); molt.sft does nothing when the model there was
+# trained with the same settings (recorded in its sft.json) and redoes it when they change.
+"$PYTHON" -m molt.sft --config configs/demo.py:sft
 # The MoE recipe (configs/demo.py:moe) starts from the tiny Qwen3-MoE, warm-started the same way;
 # generated only when that recipe runs (about 10 s on 2 cores).
 if [[ "${MOLT_DEMO_RECIPE:-}" == *:moe* ]]; then
   if [ ! -f "$DEMO/model-moe/config.json" ]; then
     "$PYTHON" tools/make_tiny_model.py "$DEMO/model-moe" --preset moe --seed 0
   fi
-  if ! grep -qs "\"steps\": $WARM_STEPS," "$DEMO/model-moe-warm/warm_start.json" \
-     || ! grep -qs '"load_balancing_loss": true' "$DEMO/model-moe-warm/warm_start.json"; then
-    echo "[demo] supervised warm start of the MoE model ($WARM_STEPS steps)"
-    "$PYTHON" tools/warm_start.py --model "$DEMO/model-moe" --data "$DEMO/data/train.jsonl" \
-      --out "$DEMO/model-moe-warm" --steps "$WARM_STEPS"
-  fi
+  "$PYTHON" -m molt.sft --config configs/demo.py:sft_moe
 fi

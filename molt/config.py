@@ -335,6 +335,27 @@ class AlgorithmConfig(ConfigSection):
 
 
 @dataclass(kw_only=True)
+class SFTConfig(ConfigSection):
+    """`python -m molt.sft` (docs/sft.md): supervised fine-tuning of model.path on chat rows with the
+    train section's optimizer, precision and micro-batching; RL runs ignore it."""
+
+    data_path: str = ""
+    """Chat rows, .jsonl or .parquet: `messages` whose assistant turns are trained (optional `tools`);
+    a row whose messages end before an answer trains on its `label` as the assistant's reply."""
+    output_dir: str = ""
+    """The trained Hugging Face model directory, usable as an RL run's model.path
+    ('' = <output_dir>/model)."""
+    num_steps: int = 0
+    """Optimizer steps (0 = epochs x the rows / batch_size, rounded up)."""
+    epochs: int = 1
+    """When num_steps is 0: how many rows' worth of batches to train on, in passes over the file
+    (each step draws batch_size distinct rows from a seeded stream, so a row may recur earlier)."""
+    batch_size: int = 64
+    """Rows per optimizer step over all data-parallel ranks (at most the file's rows); the loss is
+    the mean over their assistant tokens."""
+
+
+@dataclass(kw_only=True)
 class RefitConfig(ConfigSection):
     bucket_megabytes: float = 64.0
     """Size of one broadcast bucket; control messages per refit are O(buckets)."""
@@ -387,6 +408,32 @@ class PayloadConfig(ConfigSection):
 
 
 @dataclass(kw_only=True)
+class EvalConfig(ConfigSection):
+    every_steps: int = 0
+    """Evaluate the policy after every N training steps, on the rollout engines (0 = off); the eval
+    of step s runs before step s + 1 (or at the end) and is logged as its own metrics row of step s."""
+    at_start: bool = True
+    """Also evaluate the initial policy (step 0), so the eval curve starts from the base model."""
+    data_path: str = ""
+    """Eval prompts, .jsonl or .parquet ('' = holdout_rows of data.train_path)."""
+    holdout_rows: int = 0
+    """With data_path '': hold out this many rows of data.train_path (chosen by seed) as the eval
+    set; training never sees them."""
+    max_prompts: int = 0
+    """Evaluate only the first N eval prompts (0 = all)."""
+    n_samples: int = 4
+    """k: samples per eval prompt; logged as eval/avg@k (mean reward) and eval/pass@k."""
+    temperature: float = 0.6
+    """Sampling temperature of eval rollouts (independent of rollout.temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of eval rollouts (nothing is trained on them, so any value in (0, 1] works)."""
+    max_response_tokens: int = 0
+    """max_tokens of each eval generation (0 = rollout.max_response_tokens)."""
+    success_threshold: float = 1.0
+    """A sample whose reward is at least this counts as solved for pass@k."""
+
+
+@dataclass(kw_only=True)
 class MetricsConfig(ConfigSection):
     output_dir: str = ""
     """Run directory for metrics.jsonl, config.json and W&B files ('' = runs/<name>)."""
@@ -410,10 +457,12 @@ class MoltConfig(ConfigSection):
     agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     refit: RefitConfig = field(default_factory=RefitConfig)
     payloads: PayloadConfig = field(default_factory=PayloadConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -706,6 +755,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(algo.dual_clip == 0 or algo.policy_loss == "ppo",
           f"algorithm.dual_clip={algo.dual_clip} caps PPO's token terms; algorithm.policy_loss={algo.policy_loss!r} "
           f"has none to cap: set dual_clip=0")
+    check_loss_options(algo, check)
     level, mode, (low, high) = algo.importance_level, algo.importance_mode, algo.importance_band
     check(level in ("off", "token", "seq", "geo"),
           f"algorithm.importance_level={level!r}: use off, token, seq or geo")
@@ -755,10 +805,10 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
         errors += engine_args_errors(rollout.engine_args)
     check(train.max_tokens_per_micro_batch >= rollout.max_length,
           f"train.max_tokens_per_micro_batch={train.max_tokens_per_micro_batch} must be >= "
-    check_loss_options(algo, check)
           f"rollout.max_length={rollout.max_length} so the longest segment fits one micro-batch")
     check(train.num_steps >= 1, f"train.num_steps={train.num_steps}: need at least 1")
     check_trainer_options(train, rollout, check)
+    check_sft_options(cfg.sft, check)
     check(algo.max_staleness >= 0, f"algorithm.max_staleness={algo.max_staleness}: must be >= 0 (0 = synchronous)")
     check(not rollout.partial_rollout or level != "off",
           f"rollout.partial_rollout=True continues rollouts under new weights, so one experience holds tokens "
@@ -778,6 +828,12 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(not algo.filter_groups or rollout.n_samples_per_prompt > 1,
           f"algorithm.filter_groups=True needs rollout.n_samples_per_prompt > 1 (got "
           f"{rollout.n_samples_per_prompt}): a group of one has no spread of scores to keep")
+    check(0 <= algo.overlong_buffer_tokens <= rollout.max_response_tokens,
+          f"algorithm.overlong_buffer_tokens={algo.overlong_buffer_tokens}: must be in [0, rollout.max_response_tokens="
+          f"{rollout.max_response_tokens}] (0 = no overlong penalty)")
+    check(algo.overlong_penalty_factor >= 0,
+          f"algorithm.overlong_penalty_factor={algo.overlong_penalty_factor}: must be >= 0")
+    check(algo.kl_clamp >= 0, f"algorithm.kl_clamp={algo.kl_clamp}: must be >= 0 (0 = uncapped)")
     check(cfg.refit.bucket_megabytes > 0, f"refit.bucket_megabytes={cfg.refit.bucket_megabytes}: must be > 0")
     check(cfg.refit.timeout_seconds > 0, f"refit.timeout_seconds={cfg.refit.timeout_seconds}: must be > 0")
     check(cfg.checkpoint.interval_steps >= 0, f"checkpoint.interval_steps={cfg.checkpoint.interval_steps}: must be >= 0 (0 = never)")
@@ -799,12 +855,27 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
             check_cpu_offload(cfg, "cpu")
         except ConfigError as error:
             check(False, str(error))
+    check_eval_options(cfg, check, require_files=require_files)
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 
+def config_warnings(cfg: MoltConfig) -> list[str]:
+    """Settings that are valid but probably not what was meant; start-up logs each once."""
+    algo = cfg.algorithm
+    warnings = []
+    if algo.kl_estimator == "k1" and algo.kl_placement == "loss" and algo.kl_coef > 0:
+        # E_{y ~ pi}[grad log pi(y)] = 0: on tokens sampled from the policy, k1's gradient is zero in expectation.
+        warnings.append(
+            f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
+            f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
+            f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1")
+    return warnings
+
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")  # molt.objectives.LOSS_AGGREGATIONS
 LR_SCHEDULES = ("constant", "linear", "cosine")
 NO_DECAY_GROUPS = ("norms", "biases", "embeddings")
 
@@ -822,18 +893,32 @@ def parse_activation_checkpointing(spec: str) -> int:
     return int(match[1])
 
 
+def check_loss_options(algo: AlgorithmConfig, check) -> None:
+    """algorithm.loss_aggregation and the sequence trust region (docs/objectives.md)."""
+    check(algo.loss_aggregation in LOSS_AGGREGATIONS,
+          f"algorithm.loss_aggregation={algo.loss_aggregation!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    check(algo.loss_constant_tokens >= 0,
+          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens}: must be >= 0 (0 = rollout.max_response_tokens)")
+    check(algo.loss_constant_tokens == 0 or algo.loss_aggregation == "constant",
+          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens} sets the constant aggregation's divisor, which "
+          f"algorithm.loss_aggregation={algo.loss_aggregation!r} does not use: set loss_aggregation=constant, or "
+          f"loss_constant_tokens=0")
+    check(algo.trust_region_kl >= 0, f"algorithm.trust_region_kl={algo.trust_region_kl}: must be >= 0 (0 = off)")
+    check(algo.trust_region_weight_cap >= 1,
+          f"algorithm.trust_region_weight_cap={algo.trust_region_weight_cap}: must be >= 1 (a cap below 1 would "
+          f"shrink even the tokens on which trainer and engine agree)")
+    check(algo.trust_region_kl == 0 or algo.importance_level in ("off", "token"),
+          f"algorithm.trust_region_kl={algo.trust_region_kl} rejects sequences by their KL and "
+          f"algorithm.importance_level={algo.importance_level!r} rejects them by their ratio: use one rule, e.g. "
+          f"importance_level=token (or off) with the trust region")
+
+
 def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> None:
     """The train section's precision, memory and optimizer options."""
     check(train.param_dtype in DTYPES, f"train.param_dtype={train.param_dtype!r}: use one of {', '.join(DTYPES)}")
     check(train.compute_dtype in ("",) + DTYPES,
           f"train.compute_dtype={train.compute_dtype!r}: use '' (model.dtype) or one of {', '.join(DTYPES)}")
     try:
-    check(0 <= algo.overlong_buffer_tokens <= rollout.max_response_tokens,
-          f"algorithm.overlong_buffer_tokens={algo.overlong_buffer_tokens}: must be in [0, rollout.max_response_tokens="
-          f"{rollout.max_response_tokens}] (0 = no overlong penalty)")
-    check(algo.overlong_penalty_factor >= 0,
-          f"algorithm.overlong_penalty_factor={algo.overlong_penalty_factor}: must be >= 0")
-    check(algo.kl_clamp >= 0, f"algorithm.kl_clamp={algo.kl_clamp}: must be >= 0 (0 = uncapped)")
         parse_activation_checkpointing(train.activation_checkpointing)
     except ConfigError as error:
         check(False, str(error))
@@ -860,22 +945,41 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(train.ppo_epochs >= 1, f"train.ppo_epochs={train.ppo_epochs}: need at least 1")
     check(train.max_consecutive_nonfinite_steps >= 1,
           f"train.max_consecutive_nonfinite_steps={train.max_consecutive_nonfinite_steps}: need at least 1")
-def config_warnings(cfg: MoltConfig) -> list[str]:
-    """Settings that are valid but probably not what was meant; start-up logs each once."""
-    algo = cfg.algorithm
-    warnings = []
-    if algo.kl_estimator == "k1" and algo.kl_placement == "loss" and algo.kl_coef > 0:
-        # E_{y ~ pi}[grad log pi(y)] = 0: on tokens sampled from the policy, k1's gradient is zero in expectation.
-        warnings.append(
-            f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
-            f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
-            f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1")
-    return warnings
 
 
+def check_eval_options(cfg: MoltConfig, check, *, require_files: bool = True) -> None:
+    """The eval section: evaluation during training (molt.evaluation) and `python -m molt.eval`."""
+    evaluation = cfg.eval
+    check(evaluation.every_steps >= 0, f"eval.every_steps={evaluation.every_steps}: must be >= 0 (0 = off)")
+    check(evaluation.n_samples >= 1, f"eval.n_samples={evaluation.n_samples}: need at least 1 (the k of avg@k)")
+    check(evaluation.temperature > 0, f"eval.temperature={evaluation.temperature}: must be > 0")
+    check(0 < evaluation.top_p <= 1, f"eval.top_p={evaluation.top_p}: must be in (0, 1]")
+    check(evaluation.max_response_tokens >= 0,
+          f"eval.max_response_tokens={evaluation.max_response_tokens}: must be >= 0 (0 = rollout.max_response_tokens)")
+    check(evaluation.max_response_tokens < cfg.rollout.max_length,
+          f"eval.max_response_tokens={evaluation.max_response_tokens} must be below "
+          f"rollout.max_length={cfg.rollout.max_length}")
+    check(evaluation.max_prompts >= 0, f"eval.max_prompts={evaluation.max_prompts}: must be >= 0 (0 = all)")
+    check(evaluation.holdout_rows >= 0, f"eval.holdout_rows={evaluation.holdout_rows}: must be >= 0")
+    check(not (evaluation.data_path and evaluation.holdout_rows),
+          f"eval.data_path={evaluation.data_path!r} and eval.holdout_rows={evaluation.holdout_rows} both name the "
+          f"eval set: set one (holdout_rows splits data.train_path; leave data_path '')")
+    # Checked when training will evaluate (python -m molt.eval checks the file it is given itself).
+    check(not (evaluation.every_steps and evaluation.data_path and require_files)
+          or Path(evaluation.data_path).is_file(),
+          f"eval.data_path={evaluation.data_path!r} is not a file: point it at a .jsonl or .parquet prompt set")
+    check(not evaluation.every_steps or bool(evaluation.data_path) or evaluation.holdout_rows > 0,
+          f"eval.every_steps={evaluation.every_steps} needs an eval set: set eval.data_path, or eval.holdout_rows "
+          f"to hold out rows of data.train_path")
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")  # molt.objectives.LOSS_AGGREGATIONS
+def check_sft_options(sft: SFTConfig, check) -> None:
+    """The sft section's ranges (molt.sft checks that its files exist when it runs)."""
+    check(sft.num_steps >= 0, f"sft.num_steps={sft.num_steps}: must be >= 0 (0 = sft.epochs passes over the rows)")
+    check(sft.epochs >= 1, f"sft.epochs={sft.epochs}: need at least 1")
+    check(sft.batch_size >= 1, f"sft.batch_size={sft.batch_size}: need at least 1 row a step")
+
+
 def check_cpu_offload(cfg: MoltConfig, device_type: str) -> None:
     """train.cpu_offload is a GPU memory control: refused where the trainer computes on CPU."""
     if cfg.train.cpu_offload and device_type == "cpu":
@@ -893,26 +997,6 @@ def build_arg_parser(description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-def check_loss_options(algo: AlgorithmConfig, check) -> None:
-    """algorithm.loss_aggregation and the sequence trust region (docs/objectives.md)."""
-    check(algo.loss_aggregation in LOSS_AGGREGATIONS,
-          f"algorithm.loss_aggregation={algo.loss_aggregation!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
-    check(algo.loss_constant_tokens >= 0,
-          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens}: must be >= 0 (0 = rollout.max_response_tokens)")
-    check(algo.loss_constant_tokens == 0 or algo.loss_aggregation == "constant",
-          f"algorithm.loss_constant_tokens={algo.loss_constant_tokens} sets the constant aggregation's divisor, which "
-          f"algorithm.loss_aggregation={algo.loss_aggregation!r} does not use: set loss_aggregation=constant, or "
-          f"loss_constant_tokens=0")
-    check(algo.trust_region_kl >= 0, f"algorithm.trust_region_kl={algo.trust_region_kl}: must be >= 0 (0 = off)")
-    check(algo.trust_region_weight_cap >= 1,
-          f"algorithm.trust_region_weight_cap={algo.trust_region_weight_cap}: must be >= 1 (a cap below 1 would "
-          f"shrink even the tokens on which trainer and engine agree)")
-    check(algo.trust_region_kl == 0 or algo.importance_level in ("off", "token"),
-          f"algorithm.trust_region_kl={algo.trust_region_kl} rejects sequences by their KL and "
-          f"algorithm.importance_level={algo.importance_level!r} rejects them by their ratio: use one rule, e.g. "
-          f"importance_level=token (or off) with the trust region")
-
-
     args = build_arg_parser("Print the resolved Molt config.").parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)

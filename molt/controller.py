@@ -36,8 +36,9 @@ from collections.abc import Callable, Collection
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
 from molt.console import HEARTBEAT_SECONDS, Heartbeat
-from molt.dataset import PromptRow, build_prompt_loader
+from molt.dataset import PromptRow, build_prompt_loader, load_prompt_rows
 from molt.engine_router import EngineRouter, estimate_rollout_tokens
+from molt.evaluation import EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, split_eval_rows
 from molt.experience import Experience
 from molt.payloads import PayloadClient, PayloadRef, default_node_id
 from molt.rollout import decode_outcome
@@ -155,8 +156,11 @@ class RolloutController:
         self.cfg = cfg
         self.router = router
         self.rollout_ranks = rollout_ranks
+        # eval.holdout_rows leaves training without the eval rows (molt.evaluation).
+        training_rows, self.eval_rows = split_eval_rows(
+            cfg, load_prompt_rows(cfg.data.train_path) if prompt_rows is None else prompt_rows)
         self.loader = build_prompt_loader(cfg.data.train_path, batch_size=cfg.rollout.prompts_per_step,
-                                          shuffle=cfg.data.shuffle, seed=cfg.seed, rows=prompt_rows)
+                                          shuffle=cfg.data.shuffle, seed=cfg.seed, rows=training_rows)
         self._prompts = iter(self.loader)
         # Rows the loader handed out that no step has dispatched yet (a backfill takes fewer rows
         # than a batch); the next call takes them first, so no row is skipped or repeated. The
@@ -178,6 +182,8 @@ class RolloutController:
         self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
         self.heartbeat_seconds = HEARTBEAT_SECONDS  # how often a long wait says what it waits for
         self._started: dict[int, tuple[float, int]] = {}  # rollout id -> (monotonic dispatch time, rollout rank)
+        self._eval: EvalRun | None = None  # the evaluation in flight, if any
+        self._next_eval_id = -1  # eval rollouts and groups count down from -1, apart from training's ids
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -371,6 +377,42 @@ class RolloutController:
         self._started[request["rollout_id"]] = (time.monotonic(), rank)
         return request["rollout_id"]
 
+    # -- evaluation ------------------------------------------------------------------------
+
+    def run_eval(self, step: int, policy_version: int) -> tuple[dict[str, float], list[EvalSample]]:
+        """Evaluate the policy the engines serve (trained for `step` steps) on the eval set: dispatch
+        eval.n_samples rollouts of each eval prompt with the eval sampling settings and wait for all.
+        Training rollouts in flight (algorithm.max_staleness > 0) keep running and are taken into
+        their groups meanwhile; no refit happens until the eval is back, so every eval sample is of
+        one version. Eval rollouts are not dispatched training rollouts: they take ids below 0,
+        outside the accounting, and their outcomes never reach a group or a payload store."""
+        started = time.monotonic()
+        run = self._eval = EvalRun(step=step, policy_version=policy_version, started=started)
+        requests = build_eval_requests(self.cfg, self.eval_rows, policy_version)
+        for request in requests:
+            rollout_id, router_group = self._next_eval_id, -1 - request["group_id"]
+            self._next_eval_id -= 1
+            request = {**request, "rollout_id": rollout_id}
+            run.sample_indices[rollout_id] = request["sample_index"]
+            rank = self.engine_router.place(rollout_id, router_group, self.cfg.eval.n_samples,
+                                            estimate_rollout_tokens(request))
+            self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request, "eval": True})
+        heartbeat = Heartbeat(self.heartbeat_seconds)
+        def status() -> str:
+            return f"eval of step {step}: {len(run.samples)} of {len(requests)} samples back"
+        try:
+            while not run.done:
+                self.receive_outcome(policy_version, heartbeat, status)
+        finally:
+            self._eval = None
+        for position in range(len(self.eval_rows)):
+            self.engine_router.forget_group(-1 - position)
+        metrics = compute_eval_metrics(run.samples, k=self.cfg.eval.n_samples,
+                                       success_threshold=self.cfg.eval.success_threshold)
+        metrics.update({"eval/step": float(step), "eval/policy_version": float(policy_version),
+                        "eval/seconds": time.monotonic() - started})
+        return metrics, run.samples
+
     def describe_wait(self, step: int | None, num_kept: int, target: int) -> str:
         """What a step waiting for rollouts waits for (its heartbeat line)."""
         in_flight = [group for group in self._queue if group.pending]
@@ -393,6 +435,10 @@ class RolloutController:
         what = f"rollouts ({self.num_in_flight} in flight)"
         message = self.expect("outcome", 1, timeout, what, heartbeat=heartbeat, status=status)[0]
         outcome = decode_outcome(message)
+        if self._eval is not None and outcome.rollout_id in self._eval.sample_indices:
+            self.engine_router.release(outcome.rollout_id)
+            self._eval.take(outcome)
+            return
         self.token_values_received += sum(len(e.token_ids) + len(e.behavior_logprobs) for e in outcome.experiences)
         if "rank_metrics" in message:
             self.rank_metrics[message["rank"]] = message["rank_metrics"]

@@ -201,7 +201,10 @@ class PromptDataset(Dataset):
     """Map-style dataset over validated prompt rows."""
 
     def __init__(self, rows: list[PromptRow]):
-        self.rows = [dataclasses.replace(row, index=index) for index, row in enumerate(rows)]
+        # A row that knows its file position keeps it (the training part of a file an eval set was
+        # held out of, molt.evaluation); others are numbered in order.
+        self.rows = [dataclasses.replace(row, index=index if row.index < 0 else row.index)
+                     for index, row in enumerate(rows)]
 
     def __len__(self) -> int:
         return len(self.rows)

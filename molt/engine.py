@@ -158,7 +158,7 @@ class RolloutEngine:
         request_id = f"molt-stream-{next(self._request_ids)}"
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, logprobs=top_logprobs or 0, stop=stop,
-                                    seed=self._sampling_seed(token_ids) if seed is None else seed,
+                                    seed=self._request_seed(token_ids, sampling, seed),
                                     output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY,
                                     structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
         num_sampled = 0
@@ -204,6 +204,16 @@ class RolloutEngine:
                 logger.warning("the engine's workers recorded no routes for %s (%d tokens)", request_id, num_tokens)
         self.unrouted_tokens += count_unknown(routes, num_prompt)
         return routes
+
+    def _request_seed(self, token_ids: list[int], sampling: SamplingParams, seed: int | None) -> int:
+        """`seed` when given; else the rollout's seed (`sampling.seed`, eval rollouts) mixed with the
+        prompt ids, so each turn of it samples anew; else one derived from the prompt (_sampling_seed).
+        A rollout seed leaves _sampling_seed's counts alone: eval requests do not move training's seeds."""
+        if seed is not None:
+            return seed
+        if sampling.seed is not None:
+            return rollout_request_seed(sampling.seed, token_ids)
+        return self._sampling_seed(token_ids)
 
     def _sampling_seed(self, token_ids: list[int]) -> int:
         """A sampling seed from the policy version, the prompt ids and how many generations of that
@@ -339,6 +349,11 @@ def engine_args_errors(engine_args: dict) -> list[str]:
                 hint += f" Molt sets that one itself: {MOLT_ENGINE_ARGS[close[0]]}"
             errors.append(f"rollout.engine_args[{name!r}]: vLLM has no engine argument {name!r}; {hint}")
     return errors
+
+
+def rollout_request_seed(rollout_seed: int, token_ids: list[int]) -> int:
+    """The vLLM seed of one request of a rollout that carries its own seed (SamplingParams.seed)."""
+    return hash((rollout_seed, hash(tuple(token_ids)))) & (2**63 - 1)
 
 
 def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str, native_routes: bool = False):

@@ -140,6 +140,9 @@ class RolloutService:
                              "error": f"{type(error).__name__}: {error}"})
 
     async def run_rollout(self, message: dict) -> None:
+        if message.get("eval"):  # an eval rollout (molt.evaluation): nothing trains on it, so it goes back whole
+            await self.send({**await self.workers.run(message["request"]), "rank": self.rank})
+            return
         outcome = offload_outcome(await self.workers.run(message["request"]), self.payloads,
                                   partial_rollout=self.cfg.rollout.partial_rollout)
         # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.

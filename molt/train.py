@@ -292,6 +292,10 @@ def read_prompt_rows(cfg: MoltConfig) -> list[PromptRow]:
     if len(rows) < cfg.rollout.prompts_per_step:
         raise ConfigError(f"data.train_path={cfg.data.train_path!r} has {len(rows)} rows, fewer than "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: lower it or add rows")
+    if cfg.eval.every_steps:  # the eval set, checked here too so a bad one stops the job before anything starts
+        from molt.evaluation import split_eval_rows
+
+        split_eval_rows(cfg, rows)
     return rows
 
 

@@ -21,6 +21,7 @@ from molt.controller import (ROLLOUT_RANK_STOP_SECONDS, FailedStepStreak, Rollou
                              compute_staleness)
 from molt.dataset import PromptRow
 from molt.experience import Experience
+from molt.evaluation import eval_due
 from molt.diagnostics import (PREFIX, WATCHED_RATIOS, DiagnosticsReport, DropWatcher, StepDiagnostics,
                               count_digest_mismatches)
 from molt.learner import BatchInfo, Learner, optimizer_settings
@@ -117,6 +118,7 @@ class Trainer:
             self.metrics.log(0, self.check_refit())
         self.progress.start(first_step)
         for step in range(first_step, self.cfg.train.num_steps + 1):
+            self.evaluate(step - 1)  # the policy the last step made, before this step's rollouts
             started = time.perf_counter()
             with self.timer.stage("rollout"):
                 experiences, info, micro_batch_counts, rollout_metrics = self.next_batch(step)
@@ -154,7 +156,23 @@ class Trainer:
                     self.save_checkpoint(step)
             if stopping:
                 break
+        else:
+            self.evaluate(self.cfg.train.num_steps)
         self.shutdown()
+
+    def evaluate(self, step: int) -> None:
+        """Controller only, when eval.every_steps makes it due: evaluate the policy after `step` steps
+        on the rollout engines (molt.evaluation) and log the eval/* metrics as a row of that step.
+        It runs before the next step's rollouts, so the next refit waits for it, and outside the
+        step's timers; the other trainer ranks wait for their batch meanwhile, in no collective."""
+        if not self.is_controller or not eval_due(step, self.cfg.eval):
+            return
+        metrics, _ = self.controller.run_eval(step, self.policy_version)
+        self.metrics.log(step, metrics)
+        k = self.cfg.eval.n_samples
+        logger.info("eval of step %d (policy version %d): avg@%d %.3f, pass@%d %.3f over %d prompts in %.1f s",
+                    step, self.policy_version, k, metrics[f"eval/avg@{k}"], k, metrics[f"eval/pass@{k}"],
+                    metrics["eval/num_prompts"], metrics["eval/seconds"])
 
     def check_trace(self, step: int, experiences: list[Experience], windows: list[list[MicroBatch]]) -> StepDiagnostics:
         """The step's diagnostics (molt.diagnostics), starting with the end-to-end token check: this

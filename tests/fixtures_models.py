@@ -136,6 +136,22 @@ def tokenize_conversation(tokenizer, turns: list[dict], tools: list[dict]) -> tu
     return ids, mask
 
 
+def pad_batch(batch: list[tuple[list[int], list[int]]], pad_token_id: int):
+    """(token ids, 0/1 loss mask) pairs -> input_ids, labels (-100 where not trained) and
+    attention_mask, each [batch, longest], right-padded."""
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id)
+    labels = torch.full((len(batch), width), -100)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(batch):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+        attention_mask[row, :len(ids)] = 1
+    return input_ids, labels, attention_mask
+
+
 def train_tool_calls(model_dir: Path, data_path: Path, out_dir: Path, *, steps: int, batch_size: int,
                      learning_rate: float, seed: int) -> None:
     """Supervised steps on calculator conversations under every framework's tool declaration."""
@@ -155,7 +171,6 @@ def _train_tool_calls(model_dir: Path, data_path: Path, out_dir: Path, *, steps:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    pad_batch = load_tool("warm_start").pad_batch
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -182,8 +197,8 @@ def build_cached_tool_model(*, seed: int = 0) -> Path:
     cores) that teaches it to call the calculator in the first turn under any framework's tool
     declaration, then to answer with the tool's result (pydantic-ai: through `final_result`)."""
     base, data = build_cached_tiny_model(seed=seed), build_cached_demo_data(seed=seed)
-    builders = (without_strict, build_tool_conversation, tokenize_conversation, train_tool_calls, _train_tool_calls)
-    builders += (load_tool("warm_start").pad_batch,)
+    builders = (without_strict, build_tool_conversation, tokenize_conversation, train_tool_calls, _train_tool_calls,
+                pad_batch)
     recipe = repr(sorted(TOOL_WARM_START.items())) + repr(FRAMEWORK_TOOLS) + "".join(map(inspect.getsource, builders))
     version = hashlib.sha256(f"{base.name}/{data.name}/{recipe}".encode()).hexdigest()[:10]
     target = cache_root() / "models" / f"tiny-tool-seed{seed}-{version}"

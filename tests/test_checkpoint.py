@@ -145,7 +145,7 @@ def test_train_refuses_a_fresh_start_into_an_old_runs_directory_before_starting_
     monkeypatch.setattr(molt_logger, "handlers", list(molt_logger.handlers))
     monkeypatch.setattr(molt_logger, "level", molt_logger.level)
     sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
-            "metrics.output_dir": out, "checkpoint.interval_steps": 1}
+            "metrics.output_dir": out, "checkpoint.interval_steps": 1, "eval.every_steps": 0}
     argv = ["--config", DEMO] + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
     assert train.main(argv) == 2
     assert "holds 1 complete checkpoint(s) of an earlier run (steps 2)" in caplog.text

@@ -4,13 +4,15 @@ import ast
 import copy
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from molt.config import ConfigError, MoltConfig, apply_override, load_config, validate_config
+from molt import objectives
+from molt.config import LOSS_AGGREGATIONS, ConfigError, MoltConfig, apply_override, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "configs" / "demo.py")
@@ -92,6 +94,19 @@ def test_streaming_with_partial_rollout_and_importance_correction_passes(tmp_pat
     validate_config(cfg, world_size=2)
 
 
+def test_loss_aggregations_and_the_trust_region_pass_with_gspo(tmp_path):
+    """GSPO with its own aggregation (the mean of the sequences' token means), the trust region on top
+    of token-level TIS, and the constant aggregation with its own divisor, all validate."""
+    cfg = _valid_config(tmp_path)
+    cfg.algorithm.policy_loss, cfg.algorithm.loss_aggregation = "gspo", "seq_mean_token_mean"
+    cfg.algorithm.importance_level, cfg.algorithm.importance_mode = "token", "trunc"
+    cfg.algorithm.trust_region_kl = 1e-3
+    validate_config(cfg, world_size=2)
+    cfg.algorithm.loss_aggregation, cfg.algorithm.loss_constant_tokens = "constant", 512
+    validate_config(cfg, world_size=2)
+    assert LOSS_AGGREGATIONS == objectives.LOSS_AGGREGATIONS
+
+
 @pytest.mark.parametrize("change, world_size, expected", [
     (lambda c: None, 3, r"num_trainer_ranks \+ layout.num_rollout_ranks = 1 \+ 1 = 2, but the job has 3"),
     (lambda c: setattr(c.rollout, "n_samples_per_prompt", 1), 2, "n_samples_per_prompt > 1"),
@@ -119,6 +134,20 @@ def test_streaming_with_partial_rollout_and_importance_correction_passes(tmp_pat
     (lambda c: setattr(c.algorithm, "policy_loss", "grpo"), 2, "policy_loss='grpo': use one of ppo, gspo, cispo"),
     (lambda c: (setattr(c.algorithm, "policy_loss", "cispo"), setattr(c.algorithm, "dual_clip", 3.0)), 2,
      "dual_clip=3.0 caps PPO's token terms; algorithm.policy_loss='cispo' has none to cap"),
+    (lambda c: setattr(c.algorithm, "loss_aggregation", "seq_mean"), 2,
+     "algorithm.loss_aggregation='seq_mean': use one of token_mean, seq_mean_token_mean, constant"),
+    (lambda c: (setattr(c.algorithm, "loss_aggregation", "constant"), setattr(c.algorithm, "loss_constant_tokens", -8)),
+     2, r"algorithm.loss_constant_tokens=-8: must be >= 0 \(0 = rollout.max_response_tokens\)"),
+    (lambda c: setattr(c.algorithm, "loss_constant_tokens", 512), 2,
+     "loss_constant_tokens=512 sets the constant aggregation's divisor, which algorithm.loss_aggregation='token_mean' "
+     "does not use"),
+    (lambda c: setattr(c.algorithm, "trust_region_kl", -0.001), 2, r"algorithm.trust_region_kl=-0.001: must be >= 0"),
+    (lambda c: setattr(c.algorithm, "trust_region_weight_cap", 0.5), 2,
+     "algorithm.trust_region_weight_cap=0.5: must be >= 1"),
+    (lambda c: (setattr(c.algorithm, "trust_region_kl", 0.001), setattr(c.algorithm, "importance_level", "geo"),
+                setattr(c.algorithm, "importance_mode", "mask")), 2,
+     "algorithm.trust_region_kl=0.001 rejects sequences by their KL and algorithm.importance_level='geo' rejects "
+     "them by their ratio: use one rule"),
     (lambda c: setattr(c.algorithm, "gamma", 0.0), 2, r"algorithm.gamma=0.0: must be in \(0, 1\]"),
     (lambda c: setattr(c.rollout, "num_agent_workers", 0), 2, "rollout.num_agent_workers=0: need at least 1"),
     (lambda c: setattr(c.train, "param_dtype", "fp32"), 2, "train.param_dtype='fp32': use one of float32"),
@@ -170,7 +199,7 @@ def test_validation_reports_every_error_at_once(tmp_path):
 def test_config_cli_prints_the_resolved_config(tmp_path):
     cfg = _valid_config(tmp_path)
     sets = [f"model.path={cfg.model.path}", f"data.train_path={cfg.data.train_path}",
-            f"agent.path={cfg.agent.path}", "train.num_steps=7"]
+            f"agent.path={cfg.agent.path}", "train.num_steps=7", "eval.every_steps=0"]
     args = [sys.executable, "-m", "molt.config", "--config", DEMO]
     for item in sets:
         args += ["--set", item]
@@ -298,3 +327,129 @@ def _recipe_specs() -> list[str]:
 def test_every_shipped_recipe_validates(spec):
     cfg = load_config(spec)
     validate_config(cfg, world_size=cfg.world_size, require_files=False)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"every_steps": -1}, r"eval.every_steps=-1: must be >= 0 \(0 = off\)"),
+    ({"every_steps": 10}, r"eval.every_steps=10 needs an eval set: set eval.data_path, or eval.holdout_rows"),
+    ({"n_samples": 0}, r"eval.n_samples=0: need at least 1"),
+    ({"temperature": 0.0}, r"eval.temperature=0.0: must be > 0"),
+    ({"top_p": 1.5}, r"eval.top_p=1.5: must be in \(0, 1\]"),
+    ({"top_p": 0.0}, r"eval.top_p=0.0: must be in \(0, 1\]"),
+    ({"max_response_tokens": -2}, r"eval.max_response_tokens=-2: must be >= 0"),
+    ({"max_response_tokens": 1024}, r"eval.max_response_tokens=1024 must be below rollout.max_length=1024"),
+    ({"max_prompts": -1}, r"eval.max_prompts=-1: must be >= 0"),
+    ({"holdout_rows": -5}, r"eval.holdout_rows=-5: must be >= 0"),
+    ({"data_path": "no/such/eval.jsonl", "every_steps": 5}, r"eval.data_path='no/such/eval.jsonl' is not a file"),
+    ({"data_path": "EVAL", "holdout_rows": 3}, r"eval.data_path=.* and eval.holdout_rows=3 both name the eval set"),
+])
+def test_eval_settings_are_validated(tmp_path, fields, expected):
+    cfg = _valid_config(tmp_path)
+    (tmp_path / "eval.jsonl").write_text("")
+    cfg.eval.every_steps, cfg.eval.data_path = 10, str(tmp_path / "eval.jsonl")
+    validate_config(cfg)  # an eval every 10 steps on a file passes
+    cfg.eval.every_steps, cfg.eval.data_path = 0, ""
+    for name, value in fields.items():
+        setattr(cfg.eval, name, str(tmp_path / "eval.jsonl") if value == "EVAL" else value)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg)
+
+
+def test_an_eval_file_is_required_only_when_training_evaluates(tmp_path):
+    """A recipe's eval file may be absent while its evaluation is off (e.g. --set eval.every_steps=0)."""
+    cfg = _valid_config(tmp_path)
+    cfg.eval.data_path = str(tmp_path / "absent.jsonl")
+    validate_config(cfg)
+    cfg.eval.every_steps = 50
+    with pytest.raises(ConfigError, match="absent.jsonl' is not a file"):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda a: setattr(a, "overlong_buffer_tokens", 65),
+     r"algorithm.overlong_buffer_tokens=65: must be in \[0, rollout.max_response_tokens=64\]"),
+    (lambda a: setattr(a, "overlong_buffer_tokens", -1), r"algorithm.overlong_buffer_tokens=-1: must be in \[0, "),
+    (lambda a: setattr(a, "overlong_penalty_factor", -0.5), "algorithm.overlong_penalty_factor=-0.5: must be >= 0"),
+    (lambda a: setattr(a, "kl_clamp", -1.0), r"algorithm.kl_clamp=-1.0: must be >= 0 \(0 = uncapped\)"),
+])
+def test_overlong_and_kl_clamp_settings_are_validated(tmp_path, change, expected):
+    cfg = _valid_config(tmp_path)
+    algo = cfg.algorithm
+    algo.overlong_filter, algo.overlong_buffer_tokens, algo.overlong_penalty_factor = True, 64, 0.0
+    algo.kl_clamp = 0.0
+    validate_config(cfg)  # the whole response as the buffer, no penalty, no cap: all allowed
+    change(algo)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("estimator, placement, coef, warned", [
+    ("k1", "loss", 0.1, True), ("k3", "loss", 0.1, False), ("k2", "loss", 0.1, False),
+    ("k1", "reward", 0.1, False), ("k1", "loss", 0.0, False),
+])
+def test_k1_in_the_loss_is_warned_about(estimator, placement, coef, warned):
+    from molt.config import config_warnings
+
+    cfg = MoltConfig()
+    cfg.algorithm.kl_estimator, cfg.algorithm.kl_placement, cfg.algorithm.kl_coef = estimator, placement, coef
+    warnings = config_warnings(cfg)
+    assert len(warnings) == int(warned)
+    if warned:
+        for text in ("algorithm.kl_estimator='k1'", "kl_placement='loss'", "kl_coef=0.1", "'k3'", "'reward'"):
+            assert text in warnings[0]
+
+
+def test_start_up_logs_the_k1_warning_once(tmp_path, monkeypatch, caplog):
+    from molt.train import main
+
+    cfg = _valid_config(tmp_path)
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("from molt.config import MoltConfig\n\n\ndef config() -> MoltConfig:\n"
+                      "    cfg = MoltConfig()\n    cfg.algorithm.kl_estimator = 'k1'\n"
+                      "    cfg.algorithm.kl_coef = 0.05\n    return cfg\n")
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    molt_logger = logging.getLogger("molt")  # main() adds its console handler: removed after the test
+    monkeypatch.setattr(molt_logger, "handlers", list(molt_logger.handlers))
+    monkeypatch.setattr(molt_logger, "level", molt_logger.level)
+    sets = [f"model.path={cfg.model.path}", f"data.train_path={cfg.data.train_path}", f"agent.path={cfg.agent.path}"]
+    with caplog.at_level("WARNING", logger="molt"):
+        # Not under torchrun: main stops with 2 after the start-up checks and warnings.
+        assert main(["--config", str(recipe), *[a for item in sets for a in ("--set", item)]]) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len([w for w in warnings if "algorithm.kl_estimator='k1'" in w]) == 1, caplog.text
+    assert "must run under torchrun" in caplog.text
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda c: setattr(c.sft, "num_steps", -1), r"sft.num_steps=-1: must be >= 0 \(0 = sft.epochs"),
+    (lambda c: setattr(c.sft, "epochs", 0), "sft.epochs=0: need at least 1"),
+    (lambda c: setattr(c.sft, "batch_size", 0), "sft.batch_size=0: need at least 1 row a step"),
+])
+def test_sft_ranges_are_refused_at_start_up(tmp_path, change, expected):
+    cfg = _valid_config(tmp_path)
+    change(cfg)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("change, world_size, expected", [
+    (lambda c: setattr(c.sft, "data_path", ""), 1, r"sft.data_path='' is not a file"),
+    (lambda c: setattr(c.sft, "batch_size", 0), 1, "sft.batch_size=0: need at least 1 row a step"),
+    (lambda c: setattr(c.model, "path", "nowhere"), 1, r"model.path='nowhere' has no config.json"),
+    (lambda c: (setattr(c.sft, "num_steps", 5), setattr(c.train, "warmup_steps", 6)), 1,
+     "train.warmup_steps=6: must be at most sft.num_steps=5"),
+    (lambda c: setattr(c.layout, "trainer_tensor_parallel_size", 2), 3,
+     "layout.num_trainer_ranks=3 is not a multiple of"),
+])
+def test_sft_run_validation_names_the_field(tmp_path, change, world_size, expected):
+    from molt.sft import validate_sft_config
+
+    cfg = _valid_config(tmp_path)
+    cfg.sft.data_path = cfg.data.train_path
+    validate_sft_config(cfg, world_size=1)  # agent.path and data.train_path are RL's: not needed
+    cfg.agent.path = cfg.data.train_path = ""
+    validate_sft_config(cfg, world_size=1)
+    change(cfg)
+    with pytest.raises(ConfigError, match=expected):
+        validate_sft_config(cfg, world_size=world_size)

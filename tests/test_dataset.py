@@ -44,6 +44,15 @@ def test_demo_data_is_deterministic_from_seed(tmp_path):
     assert first != (tmp_path / "other" / "train.jsonl").read_text()
 
 
+def test_the_demo_eval_set_holds_each_of_the_100_sums_once(tmp_path):
+    make_demo_data.make_demo_data(tmp_path / "data", num_train=8, seed=0)
+    rows = load_prompt_rows(tmp_path / "data" / "eval.jsonl")
+    assert sorted(row.messages[0]["content"] for row in rows) == sorted(f"{a}+{b}=" for a in range(10)
+                                                                      for b in range(10))
+    assert all(row.label == str(row.metadata["a"] + row.metadata["b"]) for row in rows)
+    assert json.loads((tmp_path / "data" / "settings.json").read_text())["eval"] == make_demo_data.EVAL_LAYOUT
+
+
 def test_prompt_field_becomes_a_user_message(tmp_path):
     path = write_jsonl(
         tmp_path / "rows.jsonl",
@@ -206,7 +215,7 @@ def run_rank0(tmp_path, model_dir, data_path, *sets):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     command = [sys.executable, "-m", "molt.train", "--config", str(ROOT / "configs" / "demo.py"),
                "--set", f"model.path={model_dir}", "--set", f"data.train_path={data_path}",
-               "--set", f"metrics.output_dir={tmp_path / 'run'}"]
+               "--set", f"metrics.output_dir={tmp_path / 'run'}", "--set", "eval.every_steps=0"]
     for item in sets:
         command += ["--set", item]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

@@ -202,7 +202,8 @@ def test_an_hsdp_layout_shows_its_replicas_and_shards(tmp_path):
 def demo_dry_run(tmp_path, model_dir, rows: list[str]) -> list[str]:
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(row + "\n" for row in rows))
-    cfg = load_config(str(ROOT / "configs" / "demo.py"), [f"model.path={model_dir}", f"data.train_path={path}"])
+    cfg = load_config(str(ROOT / "configs" / "demo.py"), [f"model.path={model_dir}", f"data.train_path={path}",
+                                                               "eval.every_steps=0"])
     return list(dry_run_report(cfg))
 
 

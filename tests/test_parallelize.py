@@ -141,7 +141,7 @@ def test_cpu_offload_is_refused_on_cpu_runs(tmp_path, model_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     command = [sys.executable, "-m", "molt.train", "--config", str(ROOT / "configs" / "demo.py"),
                "--set", "device=auto", "--set", "train.cpu_offload=true", "--set", f"model.path={model_path}",
-               "--set", f"data.train_path={tmp_path / 'train.jsonl'}"]
+               "--set", f"data.train_path={tmp_path / 'train.jsonl'}", "--set", "eval.every_steps=0"]
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "2",
            "MOLT_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -217,7 +217,7 @@ def test_a_refused_placement_ends_the_job_with_status_2(monkeypatch, caplog, tin
     for name, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     argv = ["--config", DEMO, "--set", f"model.path={tiny_model_dir}",
-            "--set", f"data.train_path={demo_data_dir / 'train.jsonl'}"]
+            "--set", f"data.train_path={demo_data_dir / 'train.jsonl'}", "--set", "eval.every_steps=0"]
     with caplog.at_level("ERROR", logger="molt"):
         assert molt.train.main(argv) == 2
     assert "rank 1 ..." in caplog.text

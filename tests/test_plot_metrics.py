@@ -81,3 +81,37 @@ def test_nan_and_null_values_are_skipped_and_a_run_without_any_ends_without_a_tr
     assert "Traceback" not in result.stderr
     assert "no finite values of 'reward/mean'" in result.stderr and "rollout/failed_*" in result.stderr
     assert "no plot written" in result.stderr and not (run / "reward_mean.png").exists()
+
+
+def write_run_with_eval(run_dir: Path) -> Path:
+    """Training rows for steps 1-20 and eval rows (their own lines, as molt.trainer logs them) at 0, 10, 20."""
+    run_dir.mkdir()
+    rows = [{"step": step, "reward/mean": step / 20} for step in range(1, 21)]
+    for step in (0, 10, 20):
+        rows.insert(step, {"step": step, "eval/avg@4": 0.1 + step / 40, "eval/pass@4": 0.5, "eval/step": step})
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_the_eval_curve_is_found_and_drawn_beside_the_reward(tmp_path, monkeypatch):
+    tool = load_tool()
+    jsonl = write_run_with_eval(tmp_path / "run")
+    assert tool.find_eval_key(jsonl) == "eval/avg@4"
+    assert tool.find_eval_key(write_run(tmp_path / "plain")) is None
+    assert tool.read_metric(jsonl, "eval/avg@4") == ([0, 10, 20], [0.1, 0.35, 0.6])
+    assert tool.read_metric(jsonl, "reward/mean")[0] == list(range(1, 21))  # eval rows do not disturb it
+    drawn = []
+    real_plot = tool.plt.Axes.plot
+
+    def recording_plot(self, *args, **kwargs):
+        drawn.append((list(args[0]), list(args[1]), kwargs.get("label")))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(tool.plt.Axes, "plot", recording_plot)
+    out = tool.plot_metrics(jsonl, tmp_path / "reward.png")
+    assert Path(out).read_bytes().startswith(PNG_SIGNATURE)
+    assert ([0, 10, 20], [0.1, 0.35, 0.6], "eval/avg@4 (eval set)") in drawn
+    drawn.clear()
+    tool.plot_metrics(jsonl, tmp_path / "reward.png", eval_key=None)
+    assert [label for *_, label in drawn] == ["reward/mean", "rolling mean (10 steps)"]

@@ -1,8 +1,9 @@
 """Write the demo task, one-digit addition, as chat-format prompt rows.
 
 Each row is {"messages": [{"role": "user", "content": "3+5="}], "label": "8", "metadata": {...}},
-written to OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (or .parquet). Rows are a pure function
-of the seed.
+written to OUT_DIR/train.jsonl (problems drawn uniformly) and OUT_DIR/eval.jsonl (by default each
+of the 100 problems once: the task's whole space, so the eval set covers the problems training
+sees) (or .parquet). Rows are a pure function of the seed.
 
     python tools/make_demo_data.py OUT_DIR [--num-train 4096] [--num-eval 100] [--format jsonl|parquet]
 """
@@ -16,11 +17,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+EVAL_LAYOUT = "each of the 100 problems once, in a seeded order"
+
+
 def build_addition_rows(num_rows: int, rng: random.Random, split: str) -> list[dict]:
-    """`num_rows` uniformly drawn problems a+b with a, b in 0..9."""
+    """`num_rows` problems a+b with a, b in 0..9: drawn uniformly for training; for evaluation each
+    of the 100 problems once, in a seeded order (repeating the order past 100 rows)."""
+    if split == "eval":
+        problems = [(a, b) for a in range(10) for b in range(10)]
+        rng.shuffle(problems)
+        pairs = [problems[index % len(problems)] for index in range(num_rows)]
+    else:
+        pairs = [(rng.randrange(10), rng.randrange(10)) for _ in range(num_rows)]
     rows = []
-    for index in range(num_rows):
-        a, b = rng.randrange(10), rng.randrange(10)
+    for index, (a, b) in enumerate(pairs):
         rows.append(
             {
                 "messages": [{"role": "user", "content": f"{a}+{b}="}],
@@ -73,6 +83,9 @@ def make_demo_data(
         # One generator per split, so the eval rows do not depend on num_train.
         rows = build_addition_rows(num_rows, random.Random(f"{split}:{seed}"), split)
         writers[file_format](rows, out_dir / f"{split}.{file_format}")
+    # What was written, so a launcher can tell an older layout (eval rows drawn with repeats) apart.
+    settings = {"seed": seed, "num_train": num_train, "num_eval": num_eval, "eval": EVAL_LAYOUT}
+    (out_dir / "settings.json").write_text(json.dumps(settings) + "\n")
     return out_dir
 
 

@@ -33,6 +33,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    seed: int | None = None  # the rollout's sampling seed (eval rollouts); None: the engine derives each request's
 
 
 @dataclass(kw_only=True)

@@ -57,7 +57,7 @@ class StepEnvRunner(AgentRunnerBase):
                 truncated = True
                 break
             sampling = SamplingParams(max_tokens=budget, temperature=request.sampling.temperature,
-                                      top_p=request.sampling.top_p)
+                                      top_p=request.sampling.top_p, seed=request.sampling.seed)
             generation = await sampler.generate(trace.token_ids, sampling)
             trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions,
                              temperature=request.sampling.temperature, routes=generation.routed_experts)

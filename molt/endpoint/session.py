@@ -128,6 +128,8 @@ class Session:
         params = SamplingParams(max_tokens=min(sampling.max_tokens or self.default_sampling.max_tokens, budget),
                                 temperature=temperature, top_p=self.default_sampling.top_p)
         seed = None if sampling.seed is None else hash((sampling.seed, self.seed_salt)) & (2**63 - 1)
+        if seed is None and self.default_sampling.seed is not None:  # an eval rollout's seed, for every request
+            params.seed = self.default_sampling.seed
         sampled, logprobs, versions, top, parts = [], [], [], [], []
         routes = None  # [prompt + response tokens, layers, top_k], on the last delta (molt.routes)
         finish_reason, stop_reason = None, None
