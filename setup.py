@@ -27,5 +27,8 @@ setup(
         # trains through.
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai-agents>=0.24", "langchain-openai>=1.7",
                 "pydantic-ai-slim[openai]>=2.68"],
+        # What recipes' agents and data tools grade and generate with (docs/recipes.md): reasoning-gym's
+        # procedural tasks and scorers, math-verify for math answers. Neither pulls in torch.
+        "recipes": ["reasoning-gym>=0.1.25", "math-verify>=0.9"],
     },
 )

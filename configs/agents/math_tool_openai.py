@@ -3,16 +3,17 @@
 Each prompt row is a problem with its final numeric answer as `label` (e.g. GSM8K or DAPO-Math
 converted to {"prompt": ..., "label": "42"}). The model may call `calculate(expression)` in up to
 MAX_TURNS - 1 turns; the agent evaluates the arithmetic (no Python eval: numbers, + - * / // % ** and
-parentheses) and sends the result back. The final answer is the content of the last \\boxed{...}
-of the last message, else its last number; reward 1 if it equals the label as a number.
+parentheses) and sends the result back. The last message is graded with math-verify (the
+`math-verify` package): reward 1 if the answer it extracts (a \\boxed{...} first, else an answer
+it finds in the text) is mathematically equal to the label ("\\boxed{1/2}" matches "0.5").
 """
 
 import ast
 import json
-import math
 import operator
-import re
+import threading
 
+import math_verify
 from openai import AsyncOpenAI
 
 from molt.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
@@ -27,6 +28,7 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
              ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 64  # with MAX_INTEGER_BITS, keeps 9 ** 9 ** 9 from stalling the agent worker
 MAX_INTEGER_BITS = 1024
+GRADING_TIMEOUT_SECONDS = 5  # math-verify's limit on parsing a text and on comparing two answers
 
 
 def evaluate(node: ast.AST) -> float:
@@ -57,17 +59,15 @@ def calculate(arguments: str) -> str:
         return f"error: {error}"
 
 
-def extract_answer(text: str) -> str | None:
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", boxed[-1] if boxed else text)
-    return numbers[-1].replace(",", "") if numbers else None
-
-
-def answers_match(answer: str | None, label: str) -> bool:
-    try:
-        return answer is not None and math.isclose(float(answer), float(label.replace(",", "")), abs_tol=1e-6)
-    except ValueError:
-        return False
+def grade(reply: str, label: str) -> bool:
+    """Whether math-verify finds `reply`'s final answer equal to `label`. Its time limits use
+    SIGALRM, which only the main thread may set (an agent worker runs agents there); on another
+    thread (`asyncio.to_thread`, a test's thread) it runs without them."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    timeout = GRADING_TIMEOUT_SECONDS if on_main_thread else None
+    gold = math_verify.parse(label, parsing_timeout=timeout)
+    answer = math_verify.parse(reply, parsing_timeout=timeout)
+    return math_verify.verify(gold, answer, timeout_seconds=timeout)
 
 
 class MathToolAgent(ChatAgent):
@@ -87,8 +87,8 @@ class MathToolAgent(ChatAgent):
             for call in message.tool_calls:
                 num_tool_calls += 1
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
-        answer = extract_answer(message.content or "")
-        return Result(reward=float(answers_match(answer, ctx.label)), info={"tool_calls": float(num_tool_calls)})
+        correct = grade(message.content or "", ctx.label)
+        return Result(reward=float(correct), info={"tool_calls": float(num_tool_calls)})
 
 
 class AgentRunner(ChatAgentRunner):

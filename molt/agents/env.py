@@ -22,6 +22,7 @@ class StepState:
     label: str
     turn: int  # 0-based
     sampling_params: SamplingParams
+    metadata: dict | None = None  # the prompt row's `metadata`, as written in the prompt file
 
 
 class Env:
@@ -63,7 +64,8 @@ class StepEnvRunner(AgentRunnerBase):
                              temperature=request.sampling.temperature, routes=generation.routed_experts)
             action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
             result = await env.step(StepState(observation_text=observation_text, action_text=action_text,
-                                              label=request.label, turn=turn, sampling_params=sampling))
+                                              label=request.label, turn=turn, sampling_params=sampling,
+                                              metadata=request.metadata))
             if not isinstance(result, Result):
                 raise BadResult(f"{self.env_class.__name__}.step returned {type(result).__name__}, "
                                  f"not molt.agents.Result; return Result(reward=...)")
