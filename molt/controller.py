@@ -156,9 +156,13 @@ class RolloutController:
         self.cfg = cfg
         self.router = router
         self.rollout_ranks = rollout_ranks
-        # eval.holdout_rows leaves training without the eval rows (molt.evaluation).
-        training_rows, self.eval_rows = split_eval_rows(
-            cfg, load_prompt_rows(cfg.data.train_path) if prompt_rows is None else prompt_rows)
+        # eval.holdout_rows leaves training without the eval rows (molt.evaluation), evaluating or
+        # not, so that python -m molt.eval can later score them; eval.data_path is read only when
+        # training evaluates.
+        training_rows = load_prompt_rows(cfg.data.train_path) if prompt_rows is None else prompt_rows
+        self.eval_rows = []
+        if cfg.eval.every_steps or cfg.eval.holdout_rows:
+            training_rows, self.eval_rows = split_eval_rows(cfg, training_rows)
         self.loader = build_prompt_loader(cfg.data.train_path, batch_size=cfg.rollout.prompts_per_step,
                                           shuffle=cfg.data.shuffle, seed=cfg.seed, rows=training_rows)
         self._prompts = iter(self.loader)

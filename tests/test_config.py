@@ -199,7 +199,8 @@ def test_validation_reports_every_error_at_once(tmp_path):
 def test_config_cli_prints_the_resolved_config(tmp_path):
     cfg = _valid_config(tmp_path)
     sets = [f"model.path={cfg.model.path}", f"data.train_path={cfg.data.train_path}",
-            f"agent.path={cfg.agent.path}", "train.num_steps=7", "eval.every_steps=0"]
+            f"agent.path={cfg.agent.path}", "train.num_steps=7", "eval.every_steps=0",
+            "train.warmup_steps=0"]
     args = [sys.executable, "-m", "molt.config", "--config", DEMO]
     for item in sets:
         args += ["--set", item]
@@ -318,7 +319,8 @@ def _recipe_specs() -> list[str]:
     specs = []
     for path in sorted((ROOT / "configs").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.FunctionDef) and ast.unparse(node.returns or ast.Constant(None)) == "MoltConfig":
+            if (isinstance(node, ast.FunctionDef) and not node.name.startswith("_")  # a private helper is no recipe
+                    and ast.unparse(node.returns or ast.Constant(None)) == "MoltConfig"):
                 specs.append(f"{path}:{node.name}")
     return specs
 

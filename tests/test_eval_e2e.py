@@ -99,7 +99,8 @@ def _train(tmp_path, name: str, tiny_model_dir, demo_data_dir, **fields) -> list
     sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
             "metrics.output_dir": out, "train.num_steps": 2, "rollout.prompts_per_step": 4,
             "rollout.n_samples_per_prompt": 4, "rollout.max_response_tokens": 4, "refit.check_every_steps": 0,
-            "algorithm.max_staleness": 0, "rollout.partial_rollout": False, "train.learning_rate": 1e-3, **fields}
+            "algorithm.max_staleness": 0, "rollout.partial_rollout": False, "train.learning_rate": 1e-3,
+            "algorithm.filter_groups": False, "train.warmup_steps": 0, **fields}
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "molt.train",
             "--config", DEMO] + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
     done = _run(args)
@@ -112,7 +113,7 @@ def test_a_training_job_evaluates_at_the_due_steps_and_trains_as_without_eval(tm
     evaluated = _train(tmp_path, "with-eval", tiny_model_dir, demo_data_dir, **{
         "eval.every_steps": 2, "eval.at_start": True, "eval.data_path": Path(demo_data_dir) / "eval.jsonl",
         "eval.max_prompts": 8, "eval.n_samples": 2, "eval.temperature": 1.0})
-    plain = _train(tmp_path, "without-eval", tiny_model_dir, demo_data_dir)
+    plain = _train(tmp_path, "without-eval", tiny_model_dir, demo_data_dir, **{"eval.every_steps": 0})
     evals = [row for row in evaluated if "eval/avg@2" in row]
     assert [row["step"] for row in evals] == [row["eval/step"] for row in evals] == [0, 2]
     for row in evals:

@@ -77,11 +77,13 @@ def _kill_tree(pid: int) -> None:
 def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
     # Synchronous unless a test says otherwise (the demo recipes stream): these tests count what
     # each step dispatched; tests/test_streaming_e2e.py covers streaming. Without the demo's
-    # evaluation: tests/test_eval_e2e.py covers it.
+    # evaluation (tests/test_eval_e2e.py covers it), group filtering (which would backfill) and LR
+    # warmup (longer than these runs).
     sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
             "metrics.output_dir": output_dir, "train.num_steps": 3, "rollout.prompts_per_step": 4,
             "rollout.n_samples_per_prompt": 4, "refit.check_every_steps": 3, "algorithm.max_staleness": 0,
-            "rollout.partial_rollout": False, "eval.every_steps": 0, **fields}
+            "rollout.partial_rollout": False, "eval.every_steps": 0, "algorithm.filter_groups": False,
+            "train.warmup_steps": 0, **fields}
     return [f"{key}={value}" for key, value in sets.items()]
 
 
