@@ -30,16 +30,5 @@ echo "[reasoning-gym] training $RECIPE; metrics -> $OUT/metrics.jsonl"
 started=$(date +%s)
 bash launch/run.sh "$RECIPE" --set metrics.output_dir="$OUT" "$@"
 "$PYTHON" tools/plot_metrics.py "$OUT/metrics.jsonl" --out "$OUT/reward.png"
-"$PYTHON" - "$OUT/metrics.jsonl" "$started" <<'PY'
-import json, sys, time
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-rewards = [r["reward/mean"] for r in rows if r.get("step", 0) >= 1 and r.get("reward/mean") is not None]
-if not rewards:
-    sys.exit("[reasoning-gym] no step had a reward (every rollout failed?): see rollout/failed_* in " + sys.argv[1])
-first, last = rewards[:10], rewards[-10:]
-mean = lambda xs: sum(xs) / len(xs)
-print(f"[reasoning-gym] {len(rewards)} steps in {time.time() - float(sys.argv[2]):.0f}s (after set-up); "
-      f"reward/mean first 10 steps {mean(first):.3f} -> last 10 steps {mean(last):.3f} "
-      f"(rise {mean(last) - mean(first):+.3f})")
-PY
+"$PYTHON" tools/run_summary.py reasoning-gym "$OUT/metrics.jsonl" "$started"
 echo "[reasoning-gym] metrics: $OUT/metrics.jsonl  plot: $OUT/reward.png"
