@@ -870,6 +870,12 @@ def config_warnings(cfg: MoltConfig) -> list[str]:
             f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
             f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
             f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1")
+    train = cfg.train
+    if train.warmup_steps > train.num_steps:  # e.g. a recipe's warmup in a short trial run
+        warnings.append(
+            f"train.warmup_steps={train.warmup_steps} is more than train.num_steps={train.num_steps}: the whole run "
+            f"warms up and never reaches train.learning_rate={train.learning_rate} (the last step runs at "
+            f"{train.num_steps}/{train.warmup_steps} of it)")
     return warnings
 
 
@@ -925,8 +931,7 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(train.logprob_chunk_tokens >= 1, f"train.logprob_chunk_tokens={train.logprob_chunk_tokens}: need at least 1")
     check(train.lr_schedule in LR_SCHEDULES,
           f"train.lr_schedule={train.lr_schedule!r}: use one of {', '.join(LR_SCHEDULES)}")
-    check(0 <= train.warmup_steps <= train.num_steps,
-          f"train.warmup_steps={train.warmup_steps}: must be in [0, train.num_steps={train.num_steps}]")
+    check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be >= 0 (0 = no warmup)")
     check(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio={train.min_lr_ratio}: must be in [0, 1]")
     check(train.learning_rate > 0, f"train.learning_rate={train.learning_rate}: must be > 0")
     check(train.adam_eps > 0, f"train.adam_eps={train.adam_eps}: must be > 0")
