@@ -37,6 +37,7 @@ import zmq.asyncio
 from molt.agent_worker import WorkerSettings, encode_generation, failed_outcome, run_agent_worker
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
+from molt.images import ImageInputs
 from molt.wire import pack, unpack
 
 logger = logging.getLogger("molt")
@@ -260,7 +261,8 @@ class AgentWorkerPool:
 
     async def _call(self, worker: WorkerHandle, method: str, args: dict) -> dict:
         if method == "generate":
-            generation = await self.engine.generate(list(args["token_ids"]), SamplingParams(**args["sampling"]))
+            generation = await self.engine.generate(list(args["token_ids"]), SamplingParams(**args["sampling"]),
+                                                    images=ImageInputs.from_dict(args.get("images")))
             return encode_generation(generation)
         if method in ("open_session", "close_session") and self.endpoint is None:
             raise RuntimeError(f"{method}: this rank has no session endpoint (the agent is not a ChatAgentRunner)")

@@ -35,6 +35,7 @@ from molt.agents.env import run_with_timeout
 from molt.agents.tls import share_default_tls_context
 from molt.engine import Generation
 from molt.experience import Experience, Segment
+from molt.images import ImageInputs
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import configure_logging
 from molt.routes import decode_routes, encode_routes
@@ -138,8 +139,10 @@ class RemoteEngine:
     def __init__(self, link: RankLink):
         self.link = link
 
-    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
-        result = await self.link.call("generate", token_ids=list(token_ids), sampling=plain_fields(sampling))
+    async def generate(self, token_ids: list[int], sampling: SamplingParams,
+                       images: ImageInputs | None = None) -> Generation:
+        result = await self.link.call("generate", token_ids=list(token_ids), sampling=plain_fields(sampling),
+                                      images=images.for_engine().to_dict() if images else None)
         return decode_generation(result)
 
 

@@ -108,6 +108,9 @@ class AgentConfig(ConfigSection):
     back and hands each to the worker with the fewest in flight)."""
     endpoint_host: str = "127.0.0.1"
     """Interface the ChatAgent session endpoint binds to (loopback: agents run on the same node)."""
+    image_root: str = ""
+    """ChatAgents: a directory whose image files requests may name by path (an image_url part whose
+    url is a path or file:// URL under it); "" = local paths are refused, images come as data URIs."""
     on_context_exhausted: str = "train_truncated"
     """ChatAgents: a request whose conversation no longer fits rollout.max_length gets the API's
     context-length error; then train_truncated keeps the segments captured so far, marked truncated,

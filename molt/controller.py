@@ -365,7 +365,7 @@ class RolloutController:
                     "sampling": {"max_tokens": cfg.rollout.max_response_tokens,
                                  "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p},
                     "max_length": cfg.rollout.max_length, "max_turns": cfg.agent.max_turns,
-                    "policy_version": policy_version, "metadata": row.metadata,
+                    "policy_version": policy_version, "metadata": row.metadata, "images": row.images,
                 })
 
     def dispatch(self, group: GroupInFlight, request: dict) -> int:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.utils.data import Dataset, Sampler
+
+from molt.images import has_image_parts
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 logger = logging.getLogger("molt")
@@ -62,13 +64,17 @@ def parse_prompt_row(record: object, where: str) -> PromptRow:
             f"{where}: row has neither 'messages' nor 'prompt' (keys: {sorted(record)}); add "
             '"messages": [{"role": "user", "content": "..."}] or "prompt": "..."'
         )
-    return PromptRow(
+    row = PromptRow(
         messages=_check_messages(messages, where),
         label=_check_label(record.get("label"), where),
         tools=_check_tools(record.get("tools"), where),
         images=_check_images(record.get("images"), where),
         metadata=_check_metadata(record.get("metadata"), where),
     )
+    if row.images and has_image_parts(row.messages):
+        raise ValueError(f"{where}: the row has both an 'images' column and image parts in its messages; put "
+                         f"its images in one place (the column's go first in the first user message)")
+    return row
 
 
 def _check_messages(messages: object, where: str) -> list[dict]:
@@ -111,9 +117,47 @@ def _check_tools(tools: object, where: str) -> list[dict] | None:
 
 
 def _check_images(images: object, where: str) -> list[str] | None:
-    if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
-        raise ValueError(f"{where}: 'images' must be a list of paths, URLs or data URIs, got {images!r}")
-    return images or None
+    """Paths and data URIs as they are; image bytes (Parquet binary, or Hugging Face's {"bytes",
+    "path"} image struct) as data URIs, so every row travels as text."""
+    if images is None:
+        return None
+    if not isinstance(images, list):
+        raise ValueError(f"{where}: 'images' must be a list of paths, data URIs or image bytes, got {images!r:.80}")
+    checked = []
+    for index, image in enumerate(images):
+        if isinstance(image, dict):
+            image = image.get("bytes") or image.get("path")
+        if isinstance(image, (bytes, bytearray)):
+            from molt.images import ImageError, check_image, data_uri
+            try:
+                check_image(bytes(image), f"{where}: images[{index}]")
+            except ImageError as error:
+                raise ValueError(str(error)) from None
+            image = data_uri(bytes(image))
+        if not isinstance(image, str) or not image:
+            raise ValueError(f"{where}: images[{index}] must be a path, a data URI or image bytes, got {image!r:.80}")
+        checked.append(image)
+    return checked or None
+
+
+def resolve_image_paths(row: PromptRow, directory: Path) -> PromptRow:
+    """The row with relative image paths (its `images` column and its messages' image_url parts)
+    made relative to the prompt file's directory, where they are written from."""
+    def resolve(ref: str) -> str:
+        if ref.startswith(("data:", "http://", "https://", "file://")) or Path(ref).is_absolute():
+            return ref
+        return str(directory / ref)
+
+    if row.images:
+        row.images = [resolve(image) for image in row.images]
+    for message in row.messages:
+        for part in message.get("content") if isinstance(message.get("content"), list) else []:
+            url = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            if isinstance(url, dict) and isinstance(url.get("url"), str):
+                url["url"] = resolve(url["url"])
+            elif isinstance(url, str):
+                part["image_url"] = resolve(url)
+    return row
 
 
 def _check_metadata(metadata: object, where: str) -> dict | None:
@@ -136,7 +180,7 @@ def load_prompt_rows(path: str | Path, *, max_rows: int | None = None) -> list[P
     try:
         for where, record in records:
             unknown_keys.note(record, where)
-            rows.append(parse_prompt_row(record, where))
+            rows.append(resolve_image_paths(parse_prompt_row(record, where), path.parent))
             if len(rows) == max_rows:
                 break
     finally:  # also before a bad row's error: an unknown key may be the row's mistake

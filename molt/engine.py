@@ -14,6 +14,7 @@ import torch
 
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
+from molt.images import ImageInputs, collapse_placeholders, image_digest, open_image
 from molt.route_capture import RouteTaker, count_unknown, native_routes, route_capture_path
 from molt.routes import pad_routes
 from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
@@ -69,9 +70,10 @@ class RolloutEngine:
     """One vLLM AsyncLLM (engine core in its own process) plus Molt's weight version."""
 
     def __init__(self, llm, tokenizer, *, seed: int = 0, weight_sync: EngineWeightSync | None = None,
-                 route_capture: str | None = None):
+                 route_capture: str | None = None, image_token_id: int | None = None):
         self.llm = llm
         self.tokenizer = tokenizer
+        self.image_token_id = image_token_id  # the placeholder a chat template renders per image; None: no images
         self.seed = seed
         self.weight_sync = weight_sync or build_engine_sync("gloo")  # the engine half of refit (molt.weight_sync)
         self.policy_version = 0
@@ -114,12 +116,14 @@ class RolloutEngine:
                                             disable_log_stats=args.disable_log_stats)
         except Exception as error:
             raise EngineStartError(describe_start_failure(cfg, vllm_config, error)) from error
-        return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend), route_capture=route_capture)
+        return cls(llm, tokenizer, seed=seed, weight_sync=build_engine_sync(backend), route_capture=route_capture,
+                   image_token_id=getattr(vllm_config.model_config.hf_config, "image_token_id", None))
 
-    async def generate(self, token_ids: list[int], sampling: SamplingParams) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingParams,
+                       images: ImageInputs | None = None) -> Generation:
         """The whole generation at once (one engine output, not one per step)."""
         sampled, logprobs, versions, finish_reason, routes = [], [], [], None, None
-        async for delta in self.stream(token_ids, sampling, incremental=False):
+        async for delta in self.stream(token_ids, sampling, incremental=False, images=images):
             sampled += delta.token_ids
             logprobs += delta.logprobs
             versions = delta.policy_versions or versions
@@ -130,7 +134,8 @@ class RolloutEngine:
 
     async def stream(self, token_ids: list[int], sampling: SamplingParams, *, stop: list[str] | None = None,
                      seed: int | None = None, incremental: bool = True,
-                     top_logprobs: int | None = None, constraint: dict | None = None) -> AsyncIterator[GenerationDelta]:
+                     top_logprobs: int | None = None, constraint: dict | None = None,
+                     images: ImageInputs | None = None) -> AsyncIterator[GenerationDelta]:
         """Generate, yielding what each engine step added (`incremental`), or everything as one
         delta at the end, which spares the per-step outputs when no one reads them as they come.
         Closing the iterator early (e.g. the HTTP client went away) aborts the engine request.
@@ -148,7 +153,9 @@ class RolloutEngine:
         arguments of vLLM's StructuredOutputsParams (guided decoding; molt.endpoint.constraints);
         the log-probs are then those of the constrained distribution the tokens were sampled from.
         With route capture on (molt.route_capture), the last delta carries the routed experts of
-        the prompt and the response."""
+        the prompt and the response. `images`: the prompt's images, whose expanded placeholder runs
+        `token_ids` hold (molt.images.ImageEncoder); vLLM gets each run as its one placeholder token
+        and the files, expands them itself, and its expansion must equal `token_ids`."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -158,13 +165,15 @@ class RolloutEngine:
         request_id = f"molt-stream-{next(self._request_ids)}"
         params = VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                     top_p=sampling.top_p, logprobs=top_logprobs or 0, stop=stop,
-                                    seed=self._request_seed(token_ids, sampling, seed),
+                                    seed=self._request_seed(token_ids, sampling, seed, images),
                                     output_kind=RequestOutputKind.DELTA if incremental else RequestOutputKind.FINAL_ONLY,
                                     structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
         num_sampled = 0
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              request_id=request_id):
+        prompt = self._prompt(token_ids, images)
+        async for output in self.llm.generate(prompt, params, request_id=request_id):
             completion = output.outputs[0]
+            if images and not num_sampled:
+                self._check_expansion(output.prompt_token_ids, token_ids)
             sampled = list(completion.token_ids)
             if not num_sampled:  # the request's first output (vLLM sends none without tokens until the last)
                 self.prompt_tokens += len(token_ids)
@@ -180,6 +189,28 @@ class RolloutEngine:
                 top_logprobs=[top_alternatives(step, top_logprobs) for step in steps] if top_logprobs else None,
                 routed_experts=(await self._take_routes(request_id, completion, len(token_ids), num_sampled)
                                 if output.finished else None))
+
+    def _prompt(self, token_ids: list[int], images: ImageInputs | None):
+        from vllm.inputs import TokensPrompt
+
+        if not images or not images.num_images:
+            return TokensPrompt(prompt_token_ids=list(token_ids))
+        if self.image_token_id is None:
+            raise ValueError(f"the engine's model ({type(self.tokenizer).__name__} tokenizer) has no image_token_id "
+                             f"in its config: it takes no images")
+        return TokensPrompt(prompt_token_ids=collapse_placeholders(list(token_ids), images, self.image_token_id),
+                            multi_modal_data={"image": [open_image(blob) for blob in images.encoded]})
+
+    @staticmethod
+    def _check_expansion(engine_ids, token_ids: list[int]) -> None:
+        """vLLM's expansion of the image placeholders must be the processor's, or the trainer would
+        train on other ids than the engine ran."""
+        if engine_ids is not None and list(engine_ids) != list(token_ids):
+            first = next((i for i, (a, b) in enumerate(zip(engine_ids, token_ids)) if a != b),
+                         min(len(engine_ids), len(token_ids)))
+            raise RuntimeError(f"vLLM expanded the prompt's images into {len(engine_ids)} ids, the model's processor "
+                               f"into {len(token_ids)}; they first differ at position {first}: the engine and the "
+                               f"processor of model.path disagree on how to show the images")
 
     async def _enable_route_capture(self) -> None:
         """Have the workers record routes (once, before the first request that needs them)."""
@@ -205,12 +236,16 @@ class RolloutEngine:
         self.unrouted_tokens += count_unknown(routes, num_prompt)
         return routes
 
-    def _request_seed(self, token_ids: list[int], sampling: SamplingParams, seed: int | None) -> int:
+    def _request_seed(self, token_ids: list[int], sampling: SamplingParams, seed: int | None,
+                      images: ImageInputs | None = None) -> int:
         """`seed` when given; else the rollout's seed (`sampling.seed`, eval rollouts) mixed with the
         prompt ids, so each turn of it samples anew; else one derived from the prompt (_sampling_seed).
-        A rollout seed leaves _sampling_seed's counts alone: eval requests do not move training's seeds."""
+        A rollout seed leaves _sampling_seed's counts alone: eval requests do not move training's seeds.
+        Images count as part of the prompt (two images of one size expand to the same ids)."""
         if seed is not None:
             return seed
+        if images:
+            token_ids = [*token_ids, *(int(image_digest(blob), 16) & (2**62 - 1) for blob in images.encoded)]
         if sampling.seed is not None:
             return rollout_request_seed(sampling.seed, token_ids)
         return self._sampling_seed(token_ids)

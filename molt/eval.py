@@ -113,7 +113,8 @@ async def evaluate_model(cfg: MoltConfig, rows: list[PromptRow]) -> list[EvalSam
 
     engine = RolloutEngine.start(cfg, seed=cfg.seed)
     endpoint = SessionEndpoint(engine, engine.tokenizer, model_name=Path(cfg.model.path).name,
-                               host=cfg.agent.endpoint_host, tool_call_parser=cfg.rollout.tool_call_parser)
+                               host=cfg.agent.endpoint_host, tool_call_parser=cfg.rollout.tool_call_parser,
+                               image_root=cfg.agent.image_root)
     await endpoint.start()
     try:
         return await run_eval_rollouts(cfg, rows, engine, endpoint)

@@ -86,7 +86,7 @@ def build_eval_requests(cfg: MoltConfig, rows: list[PromptRow], policy_version: 
                 "sampling": {"max_tokens": max_tokens, "temperature": evaluation.temperature,
                              "top_p": evaluation.top_p, "seed": eval_sample_seed(cfg.seed, position, sample_index)},
                 "max_length": rollout.max_length, "max_turns": cfg.agent.max_turns,
-                "policy_version": policy_version, "metadata": row.metadata})
+                "policy_version": policy_version, "metadata": row.metadata, "images": row.images})
     return requests
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from molt.images import ImageInputs, concat_image_inputs
 from molt.routes import count_known, decode_routes, encode_routes, merge_routes, pad_routes
 
 
@@ -33,6 +34,9 @@ class Experience:
     # a list of lists would be most of the record; to_dict ships its raw bytes. Left out of `==`
     # (a tensor has no single truth value): compare it with torch.equal.
     routed_experts: torch.Tensor | None = field(default=None, compare=False)  # [tokens, layers, top_k] int16
+    # The images the prompt and observations held (molt.images): their files and the processor's
+    # tensors; None for a text-only segment. Token ids hold their expanded placeholders.
+    images: ImageInputs | None = field(default=None, compare=False)
     reward: float  # the rollout's reward, shared by all its segments
     score: float  # value used for group filtering; defaults to the reward
     group_id: int  # prompt group this rollout belongs to
@@ -82,11 +86,13 @@ class Experience:
         deep copy was most of the cost of forwarding an outcome); the routes as raw bytes."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["routed_experts"] = encode_routes(self.routed_experts)
+        data["images"] = self.images.to_dict() if self.images is not None else None
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Experience:
-        return cls(**{**data, "routed_experts": decode_routes(data.get("routed_experts"))})
+        return cls(**{**data, "routed_experts": decode_routes(data.get("routed_experts")),
+                      "images": ImageInputs.from_dict(data.get("images"))})
 
 
 def summarize_tokens(experience: Experience) -> dict[str, int]:
@@ -122,8 +128,13 @@ class Segment:
     # The routes recorded so far (molt.routes), None until a generation brings some. Shorter than
     # token_ids while context added after the last generation has not been run by the engine.
     routes: torch.Tensor | None = field(default=None, compare=False)  # [tokens recorded, layers, top_k] int16
+    images: ImageInputs | None = field(default=None, compare=False)  # the images of its context, in order
 
-    def add_context(self, token_ids: list[int]) -> None:
+    def add_context(self, token_ids: list[int], images: ImageInputs | None = None) -> None:
+        """Append context tokens; `images`: those whose placeholders they hold, positions relative to
+        the first of them."""
+        if images is not None and images.num_images:
+            self.images = concat_image_inputs([self.images, images], [0, len(self.token_ids)])
         # Context positions are masked out of every loss; any positive temperature keeps their
         # (discarded) log-probs finite.
         self.token_ids += token_ids
@@ -175,15 +186,18 @@ class Segment:
         return list(self.temperatures) if differs else None
 
     def copy(self) -> Segment:
-        return copy.deepcopy(self)
+        # The images are shared: nothing changes them in place (add_context makes new ones).
+        return copy.deepcopy(self, {id(self.images): self.images})
 
     def to_dict(self) -> dict:
         """The fields for msgpack (a session's segments go from the rank to the agent worker)."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "routes": encode_routes(self.routes)}
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "routes": encode_routes(self.routes),
+                "images": self.images.to_dict() if self.images is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> Segment:
-        return cls(**{**data, "routes": decode_routes(data.get("routes"))})
+        return cls(**{**data, "routes": decode_routes(data.get("routes")),
+                      "images": ImageInputs.from_dict(data.get("images"))})
 
 
 def split_at_version_changes(experience: Experience) -> list[Experience]:
@@ -216,6 +230,7 @@ def split_at_version_changes(experience: Experience) -> list[Experience]:
             policy_versions=[v if m else -1 for v, m in zip(experience.policy_versions, mine)],
             temperatures=None if experience.temperatures is None else experience.temperatures[:end],
             routed_experts=None if experience.routed_experts is None else experience.routed_experts[:end],
+            images=None if experience.images is None else experience.images.before(end),
             action_digest=None if experience.action_digest is None else compute_action_digest(
                 experience.token_ids[:end], mine),
             truncated=experience.truncated and is_last, info=dict(experience.info)))

@@ -115,7 +115,8 @@ class RolloutService:
             self.endpoint = SessionEndpoint(self.engine, self.engine.tokenizer,
                                             model_name=Path(self.cfg.model.path).name,
                                             host=self.cfg.agent.endpoint_host,
-                                            tool_call_parser=self.cfg.rollout.tool_call_parser)
+                                            tool_call_parser=self.cfg.rollout.tool_call_parser,
+                                            image_root=self.cfg.agent.image_root)
             await self.endpoint.start()
         self.workers.attach(engine=self.engine, endpoint=self.endpoint)
         await self.workers.wait_ready()
@@ -140,8 +141,11 @@ class RolloutService:
                              "error": f"{type(error).__name__}: {error}"})
 
     async def run_rollout(self, message: dict) -> None:
-        if message.get("eval"):  # an eval rollout (molt.evaluation): nothing trains on it, so it goes back whole
-            await self.send({**await self.workers.run(message["request"]), "rank": self.rank})
+        if message.get("eval"):  # an eval rollout (molt.evaluation): nothing trains on it, so it goes back whole,
+            outcome = await self.workers.run(message["request"])
+            for experience in outcome.get("experiences", []):
+                experience["images"] = None  # ...but its images: the controller reads rewards and tokens only
+            await self.send({**outcome, "rank": self.rank})
             return
         outcome = offload_outcome(await self.workers.run(message["request"]), self.payloads,
                                   partial_rollout=self.cfg.rollout.partial_rollout)

@@ -16,7 +16,7 @@ from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # n
 # Markers and the default time limit are in pytest.ini.
 
 # Fixtures that start a vLLM engine: a test that uses one belongs to the e2e tier.
-ENGINE_FIXTURES = {"engine", "endpoint", "moe_engine"}
+ENGINE_FIXTURES = {"engine", "endpoint", "moe_engine", "vlm_engine", "vlm_endpoint"}
 # How long a test that outlived its time limit gets to unwind (its finally blocks and fixtures stop
 # what it started) before the run is stopped hard, its processes killed.
 TIMEOUT_GRACE_SECONDS = 60
@@ -138,6 +138,13 @@ def moe_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_path() -> Path:
+    """The seed-0 "vlm" Idefics3 model directory with its processor: a square image is 20 <image>
+    tokens (built once, cached)."""
+    return build_cached_tiny_model(preset="vlm")
+
+
+@pytest.fixture(scope="session")
 def demo_data_dir() -> Path:
     """The seed-0 addition task: train/eval as .jsonl and .parquet (cached outside git)."""
     return build_cached_demo_data()
@@ -207,6 +214,14 @@ def moe_engine(moe_model_dir) -> EngineThread:
     thread.close()
 
 
+@pytest.fixture(scope="session")
+def vlm_engine(tiny_vlm_path) -> EngineThread:
+    """One shared engine on the tiny Idefics3 vision-language model."""
+    thread = EngineThread(tiny_vlm_path)
+    yield thread
+    thread.close()
+
+
 class EndpointThread:
     """The session endpoint on the shared engine's loop; sessions are opened from test threads."""
 
@@ -237,6 +252,14 @@ def endpoint(engine) -> EndpointThread:
     thread = EndpointThread(engine)
     yield thread
     engine.run(thread.endpoint.stop())
+
+
+@pytest.fixture(scope="session")
+def vlm_endpoint(vlm_engine) -> EndpointThread:
+    """A real session endpoint over the shared vision-language engine."""
+    thread = EndpointThread(vlm_engine)
+    yield thread
+    vlm_engine.run(thread.endpoint.stop())
 
 
 @pytest.fixture(scope="session")

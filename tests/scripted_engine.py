@@ -30,9 +30,9 @@ class ScriptedEngine:
         self.scripts.extend(scripts)
 
     async def stream(self, token_ids, sampling, *, stop=None, seed=None, incremental=True, top_logprobs=None,
-                     constraint=None):
+                     constraint=None, images=None):
         self.requests.append({"token_ids": list(token_ids), "sampling": sampling, "stop": stop, "seed": seed,
-                              "top_logprobs": top_logprobs, "constraint": constraint})
+                              "top_logprobs": top_logprobs, "constraint": constraint, "images": images})
         script = self.scripts.pop(0)
         deltas = []
         for chunk in script.chunks:

@@ -96,9 +96,9 @@ BAD_BODIES = {
                      "messages[0].role must be 'user' or 'assistant'"),
     "content a number": (_body(messages=[{"role": "user", "content": 3}]),
                          "messages[0].content must be a string or a list of content blocks"),
-    "image block": (_body(messages=[{"role": "user", "content": [
+    "image block": (_body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]),
-        "messages[0].content[0]: image input is not supported yet"),
+        "messages[1].content[0]: image blocks are accepted in user turns and tool results only"),
     "tool_use without input": (_body(messages=[{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "calculator"}]}]), "messages[0].content[0].input must be an object"),
     "temperature a string": (_body(temperature="hot"), "'temperature' must be a number"),
@@ -341,7 +341,7 @@ def test_bad_input_is_a_400_the_sdk_raises_and_the_session_goes_on(session, case
         assert raised.value.status_code == 400 and error["type"] == "error"
         assert error["error"]["type"] == "invalid_request_error"
         expected = {"malformed JSON": "request body is not valid JSON", "not an object": "must be a JSON object",
-                    "image via create": "image input is not supported yet"}.get(case) or BAD_BODIES[case][1]
+                    "image via create": "image blocks are accepted in user turns"}.get(case) or BAD_BODIES[case][1]
         assert expected in error["error"]["message"]
         assert session.all_segments() == []
         message = client.messages.create(model=session.model_name, max_tokens=2,

@@ -63,7 +63,7 @@ def test_prompt_field_becomes_a_user_message(tmp_path):
             messages=[{"role": "user", "content": "2+2="}],
             label="4",
             tools=[{"type": "function"}],
-            images=["a.png"],
+            images=[str(tmp_path / "a.png")],  # relative to the prompt file
         )
     ]
 

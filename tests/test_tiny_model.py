@@ -154,3 +154,60 @@ def test_generation_is_deterministic_from_seed(tmp_path, tiny_model_dir):
     for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"]:
         assert (first / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
     assert (first / "model.safetensors").read_bytes() != (other_seed / "model.safetensors").read_bytes()
+
+
+def _noise_image(width: int, height: int, seed: int):
+    """Random RGB pixels: a uniform image would normalise to an all-zero tile, which Idefics3 drops as padding."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def test_vlm_preset_expands_an_image_and_trains_its_vision_tower(tiny_vlm_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_path)
+    assert type(processor).__name__ == "Idefics3Processor"
+    tokenizer = processor.tokenizer
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "3+5="}]}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n<image>3+5=<|im_end|>\n<|im_start|>assistant\n"
+    inputs = processor(text=text, images=[_noise_image(40, 40, seed=0)], return_tensors="pt")
+
+    # A square image: a 2 x 2 grid of 64-pixel tiles and the global view, 4 <image> tokens each,
+    # every marker one token.
+    def tile(marker: str) -> str:
+        return f"<fake_token_around_image>{marker}" + "<image>" * 4
+
+    expanded = (tile("<row_1_col_1>") + tile("<row_1_col_2>") + "\n" + tile("<row_2_col_1>") + tile("<row_2_col_2>")
+                + "\n\n" + tile("<global-img>") + "<fake_token_around_image>")
+    expected_ids = tokenizer.encode(f"<|im_start|>user\n{expanded}3+5=<|im_end|>\n<|im_start|>assistant\n",
+                                    add_special_tokens=False)
+    assert inputs["input_ids"][0].tolist() == expected_ids
+    assert expected_ids.count(tokenizer.convert_tokens_to_ids("<image>")) == 20
+    assert len(expected_ids) == 46
+    assert inputs["pixel_values"].shape == (1, 5, 3, 64, 64)
+
+    model, loading_info = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path, output_loading_info=True)
+    assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"]
+    assert model.config.image_token_id == tokenizer.convert_tokens_to_ids("<image>")
+    assert model.lm_head.weight.data_ptr() != model.model.text_model.embed_tokens.weight.data_ptr()
+    loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert model.model.vision_model.embeddings.patch_embedding.weight.grad.abs().sum() > 0
+
+
+def test_vlm_preset_keeps_text_chat_and_is_deterministic(tmp_path, tiny_vlm_path, tokenizer):
+    vlm_tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_path)
+    # String content and tool calls render exactly as in the text presets, to the same ids.
+    text = vlm_tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=[CALCULATOR_TOOL], tokenize=False)
+    assert text == tokenizer.apply_chat_template(TOOL_CONVERSATION, tools=[CALCULATOR_TOOL], tokenize=False)
+    assert vlm_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+    with_image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                               {"type": "text", "text": "2+2="}]}]
+    assert "<image>2+2=" in vlm_tokenizer.apply_chat_template(with_image, tokenize=False)
+    again = make_tiny_model.make_tiny_model(tmp_path / "vlm", preset="vlm")
+    for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json", "processor_config.json"]:
+        assert (again / name).read_bytes() == (tiny_vlm_path / name).read_bytes(), name

@@ -5,10 +5,15 @@ generation_config.json, tokenizer.json, tokenizer_config.json with a ChatML chat
 that both `transformers` and vLLM load. Everything is a pure function of the arguments, so two
 runs with the same seed produce byte-identical weights.
 
-    python tools/make_tiny_model.py OUT_DIR [--preset tiny|bench|moe] [--seed 0]
+The "vlm" preset writes a tiny Idefics3 (SmolVLM v1 architecture) vision-language model instead:
+a Llama text tower, a SigLIP-style vision tower and the processor files, so that
+`AutoProcessor` and `AutoModelForImageTextToText` load it and vLLM serves it with images.
+
+    python tools/make_tiny_model.py OUT_DIR [--preset tiny|bench|moe|vlm] [--seed 0]
 """
 
 import argparse
+import copy
 import json
 import string
 from pathlib import Path
@@ -16,13 +21,31 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    Idefics3Config,
+    Idefics3ImageProcessorPil,
+    Idefics3Processor,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+# Idefics3's image markers, each one special token. One image becomes tiles of
+# <fake_token_around_image><row_i_col_j> followed by IMAGE_SEQ_LEN <image> tokens, then the global view.
+IMAGE_TOKEN = "<image>"
+MAX_GRID = 6  # the processor knows <row_i_col_j> up to 6 x 6
+IMAGE_TOKENS = [IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, MAX_GRID + 1) for j in range(1, MAX_GRID + 1)
+]
 
 # Byte-level BPE merges learned on top of the printable-ASCII alphabet; together with the
 # alphabet and the added tokens this keeps the vocabulary around 320 entries.
@@ -65,6 +88,26 @@ PRESETS: dict[str, dict] = {
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=128,
+    ),
+    # Idefics3 (SmolVLM v1): vLLM's idefics3 hard-codes a Llama text tower. An image is resized to
+    # a longest edge of 128 and cut into 64 x 64 tiles (2 x 2 for a square image) plus a 64 x 64
+    # global view; each tile is 4 x 4 patches, pixel-shuffled by 2 into IMAGE_SEQ_LEN = 4 tokens,
+    # so a square image is 5 x 4 = 20 <image> tokens.
+    "vlm": dict(
+        architecture="Idefics3ForConditionalGeneration",
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=384,
+        vision_hidden_size=64,
+        vision_num_layers=2,
+        vision_num_attention_heads=1,
+        vision_intermediate_size=128,
+        image_size=64,
+        patch_size=16,
+        scale_factor=2,
+        resized_longest_edge=128,
     ),
 }
 
@@ -112,6 +155,14 @@ CHAT_TEMPLATE = """\
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
+
+# The same template, with image content parts ({"type": "image"} or {"type": "image_url"}) rendered
+# as the <image> marker the processor expands.
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}",
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type in ['image', 'image_url'] -%}{{- '" + IMAGE_TOKEN + "' -}}{%- endif -%}",
+)
 
 
 def printable_alphabet() -> list[str]:
@@ -167,8 +218,9 @@ def build_training_corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE over printable ASCII in which every digit is its own token."""
+def build_tokenizer(image_tokens: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE over printable ASCII in which every digit is its own token; `image_tokens`
+    (the vlm preset) are added as special tokens after all the others."""
     tokenizer = Tokenizer(models.BPE())
     # Digits are split off before the byte-level step, so no merge can glue a digit to "=" or
     # to another digit: "3+5=" / "8" always yields the answer as separate digit tokens.
@@ -189,14 +241,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     # Tool markers are ordinary added tokens (not special), so they survive skip_special_tokens
     # and a tool-call parser sees them in the decoded text.
     tokenizer.add_tokens(TOOL_TOKENS)
+    if image_tokens:
+        tokenizer.add_special_tokens(image_tokens)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
-        extra_special_tokens=[IM_START],
+        extra_special_tokens=[IM_START] + (image_tokens or []),
         model_max_length=MAX_POSITION_EMBEDDINGS,
         clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=VLM_CHAT_TEMPLATE if image_tokens else CHAT_TEMPLATE,
     )
 
 
@@ -235,10 +289,66 @@ def build_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Qwe
     return config
 
 
-def build_state_dict(config: Qwen3Config | Qwen3MoeConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights for every parameter: norms at one, everything else N(0, INIT_STD^2)."""
+def build_vlm_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Idefics3Config:
+    """The Idefics3 config: a Llama text tower and a SigLIP-style vision tower."""
+    text_config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_attention_heads"],
+        num_key_value_heads=sizes["num_key_value_heads"],
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=INIT_STD,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=token_ids[PAD_TOKEN],
+        eos_token_id=token_ids[IM_END],
+        pad_token_id=token_ids[PAD_TOKEN],
+        dtype="float32",
+    )
+    vision_config = dict(
+        hidden_size=sizes["vision_hidden_size"],
+        intermediate_size=sizes["vision_intermediate_size"],
+        num_hidden_layers=sizes["vision_num_layers"],
+        num_attention_heads=sizes["vision_num_attention_heads"],
+        image_size=sizes["image_size"],
+        patch_size=sizes["patch_size"],
+        initializer_range=INIT_STD,
+    )
+    config = Idefics3Config(
+        text_config=text_config.to_dict(),
+        vision_config=vision_config,
+        image_token_id=token_ids[IMAGE_TOKEN],
+        scale_factor=sizes["scale_factor"],
+        tie_word_embeddings=False,
+        pad_token_id=token_ids[PAD_TOKEN],
+        bos_token_id=token_ids[PAD_TOKEN],
+        eos_token_id=token_ids[IM_END],
+        dtype="float32",
+    )
+    config.architectures = [sizes["architecture"]]
+    return config
+
+
+def build_vlm_processor(tokenizer: PreTrainedTokenizerFast, sizes: dict) -> Idefics3Processor:
+    """The pillow-only image processor (no torchvision) and the processor that expands <image>."""
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": sizes["resized_longest_edge"]},
+        max_image_size={"longest_edge": sizes["image_size"]},
+        do_image_splitting=True,
+    )
+    image_seq_len = (sizes["image_size"] // sizes["patch_size"]) ** 2 // sizes["scale_factor"] ** 2
+    return Idefics3Processor(image_processor, tokenizer, image_seq_len=image_seq_len, chat_template=VLM_CHAT_TEMPLATE)
+
+
+def build_state_dict(config: Qwen3Config | Qwen3MoeConfig | Idefics3Config, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights for every parameter: norms at one (their biases at zero), everything else
+    N(0, INIT_STD^2)."""
+    auto_class = AutoModelForImageTextToText if isinstance(config, Idefics3Config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class.from_config(config)
     # Tied output embeddings are stored once, as in released Qwen3 checkpoints.
     shapes = {}
     for name, tensor in model.state_dict().items():
@@ -250,9 +360,17 @@ def build_state_dict(config: Qwen3Config | Qwen3MoeConfig, seed: int) -> dict[st
     for name in sorted(shapes):
         if name.endswith("norm.weight"):
             state_dict[name] = torch.ones(shapes[name], dtype=torch.float32)
+        elif _is_norm_bias(name):
+            state_dict[name] = torch.zeros(shapes[name], dtype=torch.float32)
         else:
             state_dict[name] = torch.randn(shapes[name], generator=generator) * INIT_STD
     return state_dict
+
+
+def _is_norm_bias(name: str) -> bool:
+    """The bias of a LayerNorm (the vision tower's layer_norm1/2, post_layernorm)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "bias" and "norm" in module.rpartition(".")[2]
 
 
 def _checkpoint_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -303,6 +421,7 @@ def make_tiny_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     sizes = dict(PRESETS[preset])
+    is_vlm = sizes["architecture"] == "Idefics3ForConditionalGeneration"
     if hidden_size is not None:
         if hidden_size % HEAD_DIM != 0:
             raise ValueError(f"hidden_size={hidden_size} must be a multiple of head_dim={HEAD_DIM}")
@@ -317,11 +436,20 @@ def make_tiny_model(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    config = build_config(len(tokenizer), token_ids, sizes)
+    tokenizer = build_tokenizer(IMAGE_TOKENS if is_vlm else None)
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS + [IMAGE_TOKEN]}
+    if is_vlm:
+        config = build_vlm_config(len(tokenizer), token_ids, sizes)
+    else:
+        config = build_config(len(tokenizer), token_ids, sizes)
     state_dict = build_state_dict(config, seed)
 
+    if is_vlm:
+        # The processor rewrites its tokenizer's special-token list, so it gets a copy; the
+        # tokenizer files written after it keep <|im_start|> and the image markers special.
+        processor = build_vlm_processor(copy.deepcopy(tokenizer), sizes)
+        processor.save_pretrained(out_dir, save_jinja_files=False)
+        processor.image_processor.save_pretrained(out_dir)  # preprocessor_config.json, for older readers
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     config.save_pretrained(out_dir)
     write_generation_config(out_dir, token_ids)
@@ -350,7 +478,8 @@ def main() -> None:
     num_params = sum(tensor.numel() for tensor in load_file(weights).values())
     config = json.loads((out_dir / "config.json").read_text())
     print(f"wrote {args.preset} model to {out_dir}")
-    print(f"  architecture {config['architectures'][0]}, vocab_size {config['vocab_size']}")
+    vocab_size = config.get("text_config", config)["vocab_size"]
+    print(f"  architecture {config['architectures'][0]}, vocab_size {vocab_size}")
     print(f"  {num_params:,} parameters, model.safetensors {weights.stat().st_size / 1e6:.1f} MB")
 
 

@@ -25,6 +25,8 @@ class Result:
     observation: str = ""  # Env path: text fed back to the policy as context (not trained on)
     info: dict[str, float] = field(default_factory=dict)  # numeric metrics, averaged per step
     score: float | None = None  # for group filtering; None means the reward
+    # Env path: images shown with the observation, before its text (PIL images, file bytes, data
+    # URIs or paths); each becomes the model's image tokens and travels with the experience.
     images: list[Any] | None = None
 
 
@@ -51,6 +53,7 @@ class RolloutRequest:
     max_turns: int
     policy_version: int  # engine weight version when dispatched
     metadata: dict | None = None
+    images: list[str] | None = None  # the row's `images` column: paths or data URIs (molt.images.row_messages)
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Resu
                               SamplingParams)
 from molt.agents.env import PromptTooLong
 from molt.experience import Experience, Segment, compute_action_digest
+from molt.images import data_uri, row_messages
 
 
 @dataclass(kw_only=True)
@@ -20,11 +21,13 @@ class ChatContext:
     session_url: str  # session root: pass to the Anthropic SDK (it appends /v1/messages)
     api_key: str  # this session's secret
     model_name: str
-    messages: list[dict]  # the prompt row's chat messages
+    # The prompt row's chat messages; its images (its `images` column first in the first user
+    # turn) as OpenAI image_url parts with data URIs, ready to send through an SDK.
+    messages: list[dict]
     prompt: str  # text of the last user turn
     label: str
     tools: list[dict] | None
-    images: list | None
+    images: list[str] | None  # the row's images as data URIs, in order; None without any
     sampling_params: SamplingParams
     max_length: int  # longest token sequence of one segment
     session_id: str
@@ -79,13 +82,14 @@ class ChatAgentRunner(AgentRunnerBase):
     async def run(self, request: RolloutRequest, sampler, tokenizer) -> RolloutOutcome:
         if self.endpoint is None:
             raise RuntimeError("ChatAgentRunner has no session endpoint attached")
+        messages, blobs = row_messages(request.messages, request.images)
         session = await self.endpoint.begin_session(sampling=request.sampling, max_length=request.max_length)
         try:
             ctx = ChatContext(base_url=session.base_url, session_url=session.session_url, api_key=session.api_key,
-                              model_name=session.model_name, messages=request.messages,
+                              model_name=session.model_name, messages=messages,
                               prompt=_last_user_text(request.messages), label=request.label, tools=request.tools,
-                              images=None, sampling_params=request.sampling, max_length=request.max_length,
-                              session_id=session.session_id)
+                              images=[data_uri(blob) for blob in blobs] or None, sampling_params=request.sampling,
+                              max_length=request.max_length, session_id=session.session_id)
             error = None
             try:
                 result = await self.agent_class().run(ctx)
@@ -120,7 +124,7 @@ def build_experiences(segments: list[Segment], result: Result, request: RolloutR
     return [Experience(token_ids=segment.token_ids, action_mask=segment.action_mask,
                        behavior_logprobs=segment.logprobs, policy_versions=segment.versions,
                        temperatures=segment.action_temperatures_or_none(request.sampling.temperature),
-                       routed_experts=segment.routes_or_none(),
+                       routed_experts=segment.routes_or_none(), images=segment.images,
                        action_digest=compute_action_digest(segment.token_ids, segment.action_mask),
                        reward=float(result.reward), score=score, group_id=request.group_id,
                        rollout_id=request.rollout_id, segment_index=index,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
                               Sampler, SamplingParams)
 from molt.experience import Experience, Segment, compute_action_digest
+from molt.images import ImageEncoder, ImageInputs, load_image_bytes, row_messages
 
 logger = logging.getLogger("molt")
 
@@ -39,13 +40,15 @@ class StepEnvRunner(AgentRunnerBase):
         if not (isinstance(env_class, type) and issubclass(env_class, Env)):
             raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_class!r}")
         self.env_class = env_class
-        self._observation_templates: dict[int, tuple[str, str]] = {}
+        self._observation_templates: dict[tuple[int, int], tuple[str, str]] = {}
+        self._image_encoder: ImageEncoder | None = None  # the model's processor, at the first image
 
     async def run(self, request: RolloutRequest, sampler: Sampler, tokenizer) -> RolloutOutcome:
         trace = Segment()
+        messages, row_blobs = row_messages(request.messages, request.images)
         prompt_text = tokenizer.apply_chat_template(
-            request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
-        trace.add_context(tokenizer.encode(prompt_text, add_special_tokens=False))
+            messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
+        trace.add_context(*self._expand(tokenizer, tokenizer.encode(prompt_text, add_special_tokens=False), row_blobs))
         if len(trace.token_ids) >= request.max_length:
             raise PromptTooLong(f"the prompt has {len(trace.token_ids)} tokens; rollout.max_length is "
                                 f"{request.max_length}: raise it or shorten the prompt")
@@ -59,7 +62,9 @@ class StepEnvRunner(AgentRunnerBase):
                 break
             sampling = SamplingParams(max_tokens=budget, temperature=request.sampling.temperature,
                                       top_p=request.sampling.top_p, seed=request.sampling.seed)
-            generation = await sampler.generate(trace.token_ids, sampling)
+            # A text-only rollout calls the sampler as before images (a test's sampler need not take them).
+            images = {"images": trace.images.for_engine()} if trace.images else {}
+            generation = await sampler.generate(trace.token_ids, sampling, **images)
             trace.add_action(generation.token_ids, generation.logprobs, generation.policy_versions,
                              temperature=request.sampling.temperature, routes=generation.routed_experts)
             action_text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
@@ -75,33 +80,46 @@ class StepEnvRunner(AgentRunnerBase):
             truncated = result.truncated or generation.finish_reason == "length"
             if result.terminated or result.truncated:
                 break
-            context_text = self._render_observation(tokenizer, result.observation)
-            context_ids = tokenizer.encode(context_text, add_special_tokens=False)
+            shown = [load_image_bytes(image, where=f"{self.env_class.__name__}.step's Result.images[{index}]",
+                                      file_root="/") for index, image in enumerate(result.images or [])]
+            context_text = self._render_observation(tokenizer, result.observation, len(shown))
+            context_ids, images = self._expand(tokenizer, tokenizer.encode(context_text, add_special_tokens=False), shown)
             if len(trace.token_ids) + len(context_ids) >= request.max_length:
                 truncated = True  # no room left for the observation and another response
                 break
             observation_text += tokenizer.decode(generation.token_ids, skip_special_tokens=False) + context_text
-            trace.add_context(context_ids)
+            trace.add_context(context_ids, images)
         else:
             truncated = True  # ran out of turns without the Env terminating
         experience = Experience(
             token_ids=trace.token_ids, action_mask=trace.action_mask, behavior_logprobs=trace.logprobs,
-            policy_versions=trace.versions, routed_experts=trace.routes_or_none(), reward=total_reward,
+            policy_versions=trace.versions, routed_experts=trace.routes_or_none(), images=trace.images,
+            reward=total_reward,
             score=total_score, group_id=request.group_id, rollout_id=request.rollout_id, truncated=truncated,
             info=info, action_digest=compute_action_digest(trace.token_ids, trace.action_mask))
         return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=[experience])
 
-    def _render_observation(self, tokenizer, observation: str) -> str:
-        """Text the chat template puts after an assistant turn's end token for a user `observation`,
-        up to and including the next generation prompt. Derived from the template once, so the
-        appended context matches what the template would render for the whole conversation."""
-        key = id(tokenizer)
+    def _expand(self, tokenizer, token_ids: list[int], blobs: list[bytes]) -> tuple[list[int], ImageInputs | None]:
+        """Rendered ids with each image placeholder expanded by the model's processor (molt.images)."""
+        if not blobs:
+            return token_ids, None
+        if self._image_encoder is None:
+            self._image_encoder = ImageEncoder(tokenizer.name_or_path)
+        return self._image_encoder.expand(token_ids, blobs)
+
+    def _render_observation(self, tokenizer, observation: str, num_images: int = 0) -> str:
+        """Text the chat template puts after an assistant turn's end token for a user `observation`
+        shown after `num_images` images, up to and including the next generation prompt. Derived
+        from the template once per image count, so the appended context matches what the template
+        would render for the whole conversation."""
+        key = (id(tokenizer), num_images)
         if key not in self._observation_templates:
             marker = "\x00OBSERVATION\x00"
             history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
             before = tokenizer.apply_chat_template(history, tokenize=False)
+            content = [{"type": "image"}] * num_images + [{"type": "text", "text": marker}] if num_images else marker
             after = tokenizer.apply_chat_template(
-                history + [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+                history + [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
             if not after.startswith(before):
                 raise ValueError("the chat template re-renders earlier turns when a user turn is added; "
                                  "multi-turn Envs need a prefix-preserving template")

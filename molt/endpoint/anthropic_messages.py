@@ -94,18 +94,31 @@ def convert_messages(messages, system) -> list[dict]:
 
 
 def _convert_user_turn(blocks: list[dict], where: str) -> list[dict]:
-    tool_messages, texts = [], []
+    tool_messages, parts = [], []
     for position, block in enumerate(blocks):
         block_where = f"{where}.content[{position}]"
-        if block["type"] == "text":
-            texts.append(block["text"])
+        if block["type"] in ("text", "image"):
+            parts.append(block)
         elif block["type"] == "tool_result":
             tool_messages.append(_convert_tool_result(block, block_where))
         else:
             _unsupported_block(block["type"], block_where)
-    if texts or not tool_messages:
-        return tool_messages + [{"role": "user", "content": "\n".join(texts)}]
+    if parts or not tool_messages:
+        return tool_messages + [{"role": "user", "content": _joined_content(parts)}]
     return tool_messages
+
+
+def _joined_content(blocks: list[dict]) -> str | list[dict]:
+    """Text blocks joined by newlines; with images, the blocks in order (texts still newline-separated)."""
+    if all(block["type"] == "text" for block in blocks):
+        return "\n".join(block["text"] for block in blocks)
+    parts, previous = [], None
+    for block in blocks:
+        if block["type"] == "text" and previous == "text":
+            parts.append({"type": "text", "text": "\n"})
+        parts.append(block)
+        previous = block["type"]
+    return parts
 
 
 def _convert_tool_result(block: dict, where: str) -> dict:
@@ -115,15 +128,15 @@ def _convert_tool_result(block: dict, where: str) -> dict:
     check(isinstance(is_error, bool), f"{where}.is_error must be a boolean")
     content = block.get("content", "")
     if isinstance(content, list):
-        texts = []
-        for position, part in enumerate(_blocks(content, f"{where}.content")):
-            if part["type"] != "text":
+        blocks = _blocks(content, f"{where}.content")
+        for position, part in enumerate(blocks):
+            if part["type"] not in ("text", "image"):
                 _unsupported_block(part["type"], f"{where}.content[{position}]")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    check(isinstance(content, str), f"{where}.content must be a string or a list of text blocks")
-    # The chat template has no error flag, so the model reads it in the text.
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": f"Error: {content}" if is_error else content}
+        content = _joined_content(blocks)
+    check(isinstance(content, (str, list)), f"{where}.content must be a string or a list of text and image blocks")
+    if is_error:  # the chat template has no error flag, so the model reads it in the text
+        content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error: "}, *content]
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": content}
 
 
 def _convert_assistant_turn(blocks: list[dict], where: str) -> dict:
@@ -197,7 +210,7 @@ def _blocks(content, where: str) -> list[dict]:
 
 def _unsupported_block(kind: str, where: str):
     if kind == "image":
-        raise RequestError(400, f"{where}: image input is not supported yet")
+        raise RequestError(400, f"{where}: image blocks are accepted in user turns and tool results only")
     raise RequestError(400, f"{where}: content block type {kind!r} is not supported here")
 
 

@@ -4,8 +4,11 @@ the ordered text and tool calls the model generated. The Session sees only these
 
 A normalized message is a dict the chat template renders: {"role", "content"} plus, for an
 assistant turn, "tool_calls": [{"name", "arguments"}] with the arguments parsed from JSON. The
-same conversation sent through either SDK, or twice, normalizes to equal lists, which is how the
-Session tells a continued conversation from a rewritten one.
+content is a string, or, when the message holds images, a list of {"type": "text", "text"} and
+{"type": "image", "url"} parts in order (`url`: the image as the client sent it, a data URI or a
+path; the Session reads it and puts its content digest in its place). The same conversation sent
+through either SDK, or twice, normalizes to equal lists, which is how the Session tells a
+continued conversation from a rewritten one.
 """
 
 from __future__ import annotations
@@ -130,8 +133,11 @@ def normalize_messages(messages, where: str = "messages") -> list[dict]:
         if role not in ROLES:
             raise RequestError(400, f"{where}[{index}].role={role!r} is not one of {', '.join(ROLES)}",
                                param=f"{where}[{index}].role")
-        entry = {"role": role, "content": content_text(message.get("content"), f"{where}[{index}].content")}
+        entry = {"role": role, "content": message_content(message.get("content"), f"{where}[{index}].content")}
         if role == "assistant":
+            if not isinstance(entry["content"], str):
+                raise RequestError(400, f"{where}[{index}] is an assistant turn with an image; only user, system and "
+                                        f"tool turns may carry images", param=f"{where}[{index}].content")
             entry = assistant_message(entry["content"], [_tool_call(call, f"{where}[{index}]")
                                                          for call in message.get("tool_calls") or []])
         normalized.append(entry)
@@ -150,23 +156,67 @@ def reply_message(reply: Reply) -> dict:
                                              for call in reply.tool_calls])
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")
+IMAGE_PARTS = ("image_url", "input_image", "image")  # chat completions, responses, Anthropic
+
+
 def content_text(content, where: str) -> str:
     """A message content (a string, null, or a list of text parts) as one string."""
+    normalized = message_content(content, where)
+    if not isinstance(normalized, str):
+        raise RequestError(400, f"{where} has an image part; images are accepted in message contents only",
+                           param=where)
+    return normalized
+
+
+def message_content(content, where: str) -> str | list[dict]:
+    """A message content (a string, null, or a list of text and image parts) as one string, or,
+    when it holds images, as a list of text and {"type": "image", "url"} parts in order (adjacent
+    texts joined)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
-                    or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(400, f"{where} has a part of type {kind!r}; only text parts are supported",
-                                   param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise RequestError(400, f"{where} must be a string or a list of parts, got {type(content).__name__}", param=where)
+    if not isinstance(content, list):
+        raise RequestError(400, f"{where} must be a string or a list of parts, got {type(content).__name__}",
+                           param=where)
+    parts: list[dict] = []
+    for position, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            if parts and parts[-1]["type"] == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + part["text"]}
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PARTS:
+            parts.append({"type": "image", "url": image_part_url(part, f"{where}[{position}]")})
+        else:
+            raise RequestError(400, f"{where} has a part of type {kind!r}; text and image parts are supported",
+                               param=where)
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def image_part_url(part: dict, where: str) -> str:
+    """The image of an image part, as a data URI or path: chat completions' {"image_url": {"url"}},
+    responses' {"image_url": "..."} and Anthropic's {"source": {"type": "base64", "media_type", "data"}}."""
+    if part["type"] == "image":
+        source = part.get("source")
+        if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str) \
+                and isinstance(source.get("media_type"), str):
+            return f"data:{source['media_type']};base64,{source['data']}"
+        if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+            return source["url"]
+        raise RequestError(400, f"{where}.source must be {{'type': 'base64', 'media_type', 'data'}} or "
+                                f"{{'type': 'url', 'url'}}", param=f"{where}.source")
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str) or not url:
+        raise RequestError(400, f"{where}.image_url must be a URL string or {{'url': ...}} (a data URI)",
+                           param=f"{where}.image_url")
+    return url
 
 
 def _tool_call(call, where: str) -> dict:

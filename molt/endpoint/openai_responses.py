@@ -136,7 +136,8 @@ def _convert_item(item, where: str) -> dict:
     if kind == "message":
         role = item.get("role")
         check(role in INPUT_ROLES, f"{where}.role={role!r} is not one of {', '.join(INPUT_ROLES)}", f"{where}.role")
-        return {"role": role, "content": content_text(item.get("content"), f"{where}.content")}
+        content = item.get("content")  # with images, the parts go on to normalize_messages
+        return {"role": role, "content": content_text(content, f"{where}.content") if role == "assistant" else content}
     if kind == "function_call":
         for name in ("call_id", "name", "arguments"):
             check(isinstance(item.get(name), str) and (item[name] or name == "arguments"),

@@ -21,6 +21,7 @@ from molt.agents.base import SamplingParams
 from molt.agents.chat import SessionRecord
 from molt.endpoint.anthropic_messages import handle_count_tokens, handle_messages
 from molt.endpoint.errors import RequestError, error_response
+from molt.endpoint.images import PromptImages
 from molt.endpoint.openai_chat import handle_chat_completions, handle_models
 from molt.endpoint.openai_responses import handle_responses
 from molt.endpoint.session import Session
@@ -43,7 +44,8 @@ class SessionEndpoint:
     AgentWorkerPool (or by a runner in this process, in tests)."""
 
     def __init__(self, engine, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "hermes"):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "hermes",
+                 image_root: str = ""):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -53,6 +55,9 @@ class SessionEndpoint:
         self.sessions: dict[str, Session] = {}
         self.turn_end = turn_end_text(tokenizer)
         self.tool_parser = build_tool_call_parser_factory(tool_call_parser, tokenizer)
+        # Image parts: data URIs, or files under image_root (agent.image_root); the processor of the
+        # engine's model expands them (molt.endpoint.images).
+        self.images = PromptImages(tokenizer.name_or_path, file_root=image_root)
         self._num_opened = 0  # sessions opened so far: each one's seed salt
         self._runner: web.AppRunner | None = None
 
@@ -86,7 +91,8 @@ class SessionEndpoint:
         session = Session(session_id=session_id, api_key=f"molt-{secrets.token_urlsafe(24)}",
                           model_name=self.model_name, engine=self.engine, tokenizer=self.tokenizer,
                           sampling=sampling, max_length=max_length, base_url=f"{self.url}/s/{session_id}",
-                          turn_end=self.turn_end, seed_salt=self._num_opened, tool_parser=self.tool_parser)
+                          turn_end=self.turn_end, seed_salt=self._num_opened, tool_parser=self.tool_parser,
+                          images=self.images)
         self._num_opened += 1
         self.sessions[session_id] = session
         return session

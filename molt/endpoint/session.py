@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from molt.agents.base import SamplingParams
 from molt.endpoint.constraints import build_constraint
 from molt.endpoint.errors import ContextLengthExceeded, RequestError
+from molt.endpoint.images import PromptImages, image_digests
 from molt.endpoint.messages import ChatRequest, Reply, Started, TokenLogprob, ToolCall, reply_message, template_message
 from molt.endpoint.tool_calls import ToolCallParser, merged_parts
 from molt.experience import Segment
+from molt.images import ImageInputs, concat_image_inputs
 
 logger = logging.getLogger("molt")
 
@@ -49,7 +52,7 @@ class DriftLedger:
 class Session:
     def __init__(self, *, session_id: str, api_key: str, model_name: str, engine, tokenizer,
                  sampling: SamplingParams, max_length: int, base_url: str, turn_end: str = "",
-                 seed_salt: int = 0, tool_parser=None):
+                 seed_salt: int = 0, tool_parser=None, images: PromptImages | None = None):
         self.session_id = session_id
         self.api_key = api_key
         self.model_name = model_name
@@ -63,6 +66,8 @@ class Session:
         self.seed_salt = seed_salt  # mixed into request seeds, so one seed does not make a group's samples equal
         # enabled -> a fresh tool-call parser per request (molt.endpoint.tool_calls)
         self.tool_parser = tool_parser or (lambda enabled: ToolCallParser(enabled=enabled))
+        self.images = images  # image parts' reader and the model's processor; None: images refused
+        self._blobs: dict[str, bytes] = {}  # the files of the images this session has seen, by digest
         self.closed = False
         self.context_exhausted = False  # a request no longer fit rollout.max_length
         self.segments: list[Segment] = []  # closed segments
@@ -92,6 +97,7 @@ class Session:
         Errors before Started (a bad or too long conversation) are the request's; later ones
         happen mid-stream."""
         async with self._lock:
+            chat = self._resolve_images(chat)
             if self._is_retry(chat):
                 self.ledger.counts["retry"] += 1
                 yield Started(prompt_tokens=self._last_reply.prompt_tokens)
@@ -103,6 +109,14 @@ class Session:
                 async for item in items:
                     yield item
 
+    def _resolve_images(self, chat: ChatRequest) -> ChatRequest:
+        """The request with its image parts read and replaced by their digests (molt.endpoint.images)."""
+        if not any(isinstance(message["content"], list) for message in chat.messages):
+            return chat
+        if self.images is None:
+            raise RequestError(400, "this endpoint takes no images", param="messages")
+        return dataclasses.replace(chat, messages=self.images.resolve(chat.messages, self._blobs))
+
     def _is_retry(self, chat: ChatRequest) -> bool:
         if self._last_reply is None:
             return False
@@ -110,7 +124,7 @@ class Session:
         return same_key or (chat.retry and chat.key() == self._last_key)
 
     async def _generate(self, chat: ChatRequest, incremental: bool) -> AsyncIterator:
-        base, reason, prompt_ids = self._prepare(chat.messages, chat.tools)
+        base, reason, prompt_ids, new_images = self._prepare(chat.messages, chat.tools)
         budget = self.max_length - len(prompt_ids)
         if budget <= 0:
             self.context_exhausted = True
@@ -135,9 +149,12 @@ class Session:
         finish_reason, stop_reason = None, None
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.
+        start = len(base.token_ids) if base else 0
+        images = concat_image_inputs([base.images if base else None, new_images], [0, start])
         async with contextlib.aclosing(self.engine.stream(
                 prompt_ids, params, stop=list(sampling.stop) if sampling.stop else None, seed=seed,
-                incremental=incremental, top_logprobs=chat.top_logprobs, constraint=constraint)) as deltas:
+                incremental=incremental, top_logprobs=chat.top_logprobs, constraint=constraint,
+                images=images.for_engine() if images else None)) as deltas:
             async for delta in deltas:
                 sampled += delta.token_ids
                 logprobs += delta.logprobs
@@ -159,7 +176,7 @@ class Session:
             for item in rest:
                 yield item
         segment = base.copy() if base else Segment()
-        segment.add_context(prompt_ids[len(segment.token_ids):])
+        segment.add_context(prompt_ids[len(segment.token_ids):], images=new_images)
         segment.add_action(sampled, logprobs, versions, temperature=temperature, routes=routes)
         segment.truncated = finish_reason == "length"
         reply = Reply(parts=merged_parts(parts), prompt_tokens=len(prompt_ids), completion_tokens=len(sampled),
@@ -179,8 +196,9 @@ class Session:
 
     # -- segments -------------------------------------------------------------------------
 
-    def _prepare(self, messages: list[dict], tools) -> tuple[Segment | None, str, list[int]]:
-        """The segment this request extends (or None for a new one), why, and the full prompt ids."""
+    def _prepare(self, messages: list[dict], tools) -> tuple[Segment | None, str, list[int], ImageInputs | None]:
+        """The segment this request extends (or None for a new one), why, the full prompt ids, and
+        the images of the ids it adds to that segment (positions from the first added id)."""
         if self.current is not None:
             recorded = self._recorded
             if tools != self._recorded_tools:
@@ -190,15 +208,21 @@ class Session:
                 after = self._render(messages, tools, generation_prompt=True)
                 if after.startswith(before):
                     context = self._unsampled_turn_end() + after[len(before):]
-                    context_ids = self.tokenizer.encode(context, add_special_tokens=False)
-                    return self.current, "continued", self.current.token_ids + context_ids
+                    context_ids, images = self._expand(self.tokenizer.encode(context, add_special_tokens=False),
+                                                       messages[len(recorded):])
+                    return self.current, "continued", self.current.token_ids + context_ids, images
                 reason = "template_rewrite"
             else:
                 reason = "history_rewrite"
         else:
             reason = "first_turn"
         prompt = self._render(messages, tools, generation_prompt=True)
-        return None, reason, self.tokenizer.encode(prompt, add_special_tokens=False)
+        return None, reason, *self._expand(self.tokenizer.encode(prompt, add_special_tokens=False), messages)
+
+    def _expand(self, token_ids: list[int], messages: list[dict]) -> tuple[list[int], ImageInputs | None]:
+        """Rendered ids with the placeholders of `messages`' images expanded (as they are without images)."""
+        digests = image_digests(messages)
+        return self.images.expand(token_ids, digests, self._blobs) if digests else (token_ids, None)
 
     def _unsampled_turn_end(self) -> str:
         """The part of the template's end-of-turn text the model did not sample itself: after the
@@ -220,7 +244,9 @@ class Session:
 
     def count_prompt_tokens(self, messages: list[dict], tools) -> int:
         """The tokens of the conversation rendered as a new prompt."""
-        return len(self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False))
+        messages = self._resolve_images(ChatRequest(messages=messages)).messages
+        ids = self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False)
+        return len(self._expand(ids, messages)[0])
 
     def all_segments(self) -> list[Segment]:
         return self.segments + ([self.current] if self.current is not None else [])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from molt.experience import Experience, summarize_tokens
+from molt.images import ImageInputs
 from molt.payloads.reference import ALIGNMENT, PayloadRef
 from molt.payloads.store import PayloadStore
 from molt.routes import ROUTE_DTYPE
@@ -27,6 +28,10 @@ TOKEN_FIELDS = {"token_ids": torch.int32, "action_mask": torch.uint8, "behavior_
 OPTIONAL_TOKEN_FIELDS = {"temperatures": torch.float32}
 # Routed experts travel as the [tokens, layers, top_k] tensor they are (molt.routes), when set.
 ROUTES_FIELD = "routed_experts"
+# An experience's images (molt.images.ImageInputs) travel as tensors named with this prefix: each
+# processor tensor, the files back to back as uint8, and the per-image file sizes, row counts,
+# token positions and placeholder lengths as int64.
+IMAGE_PREFIX = "image."
 
 
 def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
@@ -37,7 +42,37 @@ def experience_tensors(experience: Experience) -> dict[str, torch.Tensor]:
             tensors[name] = torch.tensor(getattr(experience, name), dtype=dtype)
     if experience.routed_experts is not None:
         tensors[ROUTES_FIELD] = experience.routed_experts.to(ROUTE_DTYPE).contiguous()
+    if experience.images is not None:
+        tensors.update(image_tensors(experience.images))
     return tensors
+
+
+def image_tensors(images: ImageInputs) -> dict[str, torch.Tensor]:
+    """The payload tensors of an experience's images (IMAGE_PREFIX)."""
+    files = b"".join(images.encoded)
+    return {**{IMAGE_PREFIX + "tensor." + name: t.contiguous() for name, t in images.tensors.items()},
+            IMAGE_PREFIX + "files": torch.frombuffer(bytearray(files), dtype=torch.uint8) if files
+            else torch.zeros(0, dtype=torch.uint8),
+            IMAGE_PREFIX + "sizes": torch.tensor([len(blob) for blob in images.encoded], dtype=torch.int64),
+            IMAGE_PREFIX + "counts": torch.tensor(images.counts, dtype=torch.int64),
+            IMAGE_PREFIX + "positions": torch.tensor(images.positions, dtype=torch.int64),
+            IMAGE_PREFIX + "lengths": torch.tensor(images.lengths, dtype=torch.int64)}
+
+
+def images_from_tensors(tensors: dict[str, torch.Tensor]) -> ImageInputs | None:
+    """The images `image_tensors` stored, None if there are none."""
+    if IMAGE_PREFIX + "sizes" not in tensors:
+        return None
+    files, encoded, start = tensors[IMAGE_PREFIX + "files"].numpy().tobytes(), [], 0
+    for size in tensors[IMAGE_PREFIX + "sizes"].tolist():
+        encoded.append(files[start:start + size])
+        start += size
+    prefix = IMAGE_PREFIX + "tensor."
+    return ImageInputs(encoded=encoded, tensors={name[len(prefix):]: t for name, t in tensors.items()
+                                                 if name.startswith(prefix)},
+                       counts=tensors[IMAGE_PREFIX + "counts"].tolist(),
+                       positions=tensors[IMAGE_PREFIX + "positions"].tolist(),
+                       lengths=tensors[IMAGE_PREFIX + "lengths"].tolist())
 
 
 def payload_nbytes(experience: Experience) -> int:
@@ -48,6 +83,8 @@ def payload_nbytes(experience: Experience) -> int:
     sizes = [num_tokens * dtype.itemsize for dtype in fields.values()]
     if experience.routed_experts is not None:
         sizes.append(experience.routed_experts.numel() * ROUTE_DTYPE.itemsize)
+    if experience.images is not None:
+        sizes += [t.numel() * t.element_size() for t in image_tensors(experience.images).values()]
     return sum(-(-size // ALIGNMENT) * ALIGNMENT for size in sizes)
 
 
@@ -56,12 +93,14 @@ def offload_experience(store: PayloadStore, experience: Experience,
     """Moves the experience's token-axis fields and `extras` into `store`. Returns the light
     experience (token-axis lists empty) and the reference that `restore_experience` undoes."""
     extras = extras or {}
-    clashes = set(extras) & (set(TOKEN_FIELDS) | set(OPTIONAL_TOKEN_FIELDS) | {ROUTES_FIELD})
+    clashes = {name for name in extras if name in (*TOKEN_FIELDS, *OPTIONAL_TOKEN_FIELDS, ROUTES_FIELD)
+               or name.startswith(IMAGE_PREFIX)}
     if clashes:
-        raise ValueError(f"extra payload tensors may not be named like token-axis fields: {sorted(clashes)}")
+        raise ValueError(f"extra payload tensors may not be named like token-axis or image fields: {sorted(clashes)}")
     ref = store.offload({**experience_tensors(experience), **extras})
     light = dataclasses.replace(experience, token_ids=[], action_mask=[], behavior_logprobs=[],
-                                policy_versions=[], temperatures=None, routed_experts=None, info=dict(experience.info))
+                                policy_versions=[], temperatures=None, routed_experts=None, images=None,
+                                info=dict(experience.info))
     return light, ref
 
 
@@ -74,7 +113,8 @@ def restore_experience(light: Experience,
     fields = {name: tensors[name].tolist() for name in TOKEN_FIELDS}
     fields.update({name: tensors[name].tolist() if name in tensors else None for name in OPTIONAL_TOKEN_FIELDS})
     fields[ROUTES_FIELD] = tensors.get(ROUTES_FIELD)
-    extras = {name: t for name, t in tensors.items() if name not in fields}
+    fields["images"] = images_from_tensors(tensors)
+    extras = {name: t for name, t in tensors.items() if name not in fields and not name.startswith(IMAGE_PREFIX)}
     return dataclasses.replace(light, **fields), extras
 
 
@@ -82,8 +122,9 @@ def offload_record(store: PayloadStore, experience: Experience) -> Experience:
     """The light record that travels instead of `experience`: its token-axis fields in `store`,
     `payload` the reference to them, `summary` what the controller reads of them. A short
     experience, whose payload the store admits inline (`PayloadStore.admit_inline`), is its own
-    record: its lists travel as msgpack, `payload` stays None, and reloading it is a no-op."""
-    if store.admit_inline(payload_nbytes(experience)):
+    record: its lists travel as msgpack, `payload` stays None, and reloading it is a no-op. An
+    experience with images is always stored: however small, images never pass through the controller."""
+    if experience.images is None and store.admit_inline(payload_nbytes(experience)):
         return experience
     light, ref = offload_experience(store, experience)
     light.payload, light.summary = ref.to_dict(), summarize_tokens(experience)
