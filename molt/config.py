@@ -200,6 +200,10 @@ class TrainConfig(ConfigSection):
     """Training steps of linear warmup: step s <= warmup_steps uses learning_rate x s / warmup_steps."""
     min_lr_ratio: float = 0.0
     """linear, cosine: where the decay ends, as a share of learning_rate (reached just after the last step)."""
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
+    """Parameter-name prefix -> factor on learning_rate, for modules that need their own rate (e.g.
+    {"model.vision_model.": 3.0} for a vision tower trained from scratch); the longest matching prefix
+    wins; the schedule scales every rate alike; {} = one rate."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     no_weight_decay_on: tuple[str, ...] = ()
@@ -937,6 +941,9 @@ def check_trainer_options(train: TrainConfig, rollout: RolloutConfig, check) -> 
     check(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps}: must be >= 0 (0 = no warmup)")
     check(0.0 <= train.min_lr_ratio <= 1.0, f"train.min_lr_ratio={train.min_lr_ratio}: must be in [0, 1]")
     check(train.learning_rate > 0, f"train.learning_rate={train.learning_rate}: must be > 0")
+    bad_factors = {prefix: factor for prefix, factor in train.lr_multipliers.items()
+                   if not (isinstance(factor, (int, float)) and factor > 0)}
+    check(not bad_factors, f"train.lr_multipliers={bad_factors}: each factor must be a number > 0")
     check(train.adam_eps > 0, f"train.adam_eps={train.adam_eps}: must be > 0")
     check(all(0 <= beta < 1 for beta in train.adam_betas),
           f"train.adam_betas={tuple(train.adam_betas)}: each must be in [0, 1)")

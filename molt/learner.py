@@ -400,7 +400,9 @@ def optimizer_settings(cfg: MoltConfig, *, lr: float | None = None) -> Optimizer
                              eps=train.adam_eps, weight_decay=train.weight_decay,
                              no_weight_decay_on=tuple(train.no_weight_decay_on), schedule=train.lr_schedule,
                              num_steps=train.num_steps, warmup_steps=train.warmup_steps,
-                             min_lr_ratio=train.min_lr_ratio)
+                             min_lr_ratio=train.min_lr_ratio,
+                             # The critic (its own lr) has other parameter names: the multipliers are the actor's.
+                             lr_multipliers=tuple(train.lr_multipliers.items()) if lr is None else ())
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """The trainer's optimizer: AdamW over the stored (master) parameters, optionally without weight decay
-on norms, biases and embeddings, and its learning-rate schedule over the training steps."""
+on norms, biases and embeddings and with a learning rate of its own for some modules, and its
+learning-rate schedule over the training steps."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class OptimizerSettings:
     num_steps: int = 1
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
+    # (parameter-name prefix, factor on lr): a module's own learning rate (train.lr_multipliers), e.g. a
+    # vision tower that learns from scratch; the longest matching prefix wins; the schedule scales all alike.
+    lr_multipliers: tuple[tuple[str, float], ...] = ()
 
 
 def classify_parameter(module: nn.Module, name: str, parameter: nn.Parameter) -> str | None:
@@ -37,25 +41,36 @@ def classify_parameter(module: nn.Module, name: str, parameter: nn.Parameter) ->
     return None
 
 
-def split_weight_decay(model: nn.Module, exempt: tuple[str, ...]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(decayed, exempt) trainable parameters, each once (a tied LM head shares the embedding's)."""
-    decayed, exempted, seen = [], [], set()
-    for module in model.modules():
+def group_parameters(model: nn.Module, settings: OptimizerSettings) -> list[dict]:
+    """AdamW's parameter groups: trainable parameters, each once (a tied LM head shares the
+    embedding's), by learning-rate factor and whether they decay; the decayed group at factor 1 first."""
+    factors = sorted(settings.lr_multipliers, key=lambda item: -len(item[0]))
+    matched: set[str] = set()
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {(1.0, True): []}
+    seen = set()
+    for module_name, module in model.named_modules():
         for name, parameter in module.named_parameters(recurse=False):
             if id(parameter) in seen or not parameter.requires_grad:
                 continue
             seen.add(id(parameter))
-            (exempted if classify_parameter(module, name, parameter) in exempt else decayed).append(parameter)
-    return decayed, exempted
+            full_name = f"{module_name}.{name}" if module_name else name
+            prefix, factor = next(((p, f) for p, f in factors if full_name.startswith(p)), ("", 1.0))
+            matched.add(prefix)
+            decays = classify_parameter(module, name, parameter) not in settings.no_weight_decay_on
+            groups.setdefault((factor, decays), []).append(parameter)
+    unmatched = [prefix for prefix, _ in settings.lr_multipliers if prefix not in matched]
+    if unmatched:
+        names = [name for name, _ in model.named_parameters()]
+        raise ValueError(f"train.lr_multipliers: no trainable parameter name starts with {unmatched}; names look like "
+                         f"{names[:2]} ... {names[-1:]}")
+    return [{"params": params, "lr": settings.lr * factor, "weight_decay": settings.weight_decay if decays else 0.0}
+            for (factor, decays), params in groups.items() if params or (factor, decays) == (1.0, True)]
 
 
 def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW (its state in the parameters' dtype: the master dtype) and the LR schedule."""
-    decayed, exempted = split_weight_decay(model, settings.no_weight_decay_on)
-    groups = [{"params": decayed, "weight_decay": settings.weight_decay}]
-    if exempted:
-        groups.append({"params": exempted, "weight_decay": 0.0})
-    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+    optimizer = torch.optim.AdamW(group_parameters(model, settings), lr=settings.lr, betas=settings.betas,
+                                  eps=settings.eps)
     return optimizer, LambdaLR(optimizer, lambda completed: lr_factor(completed + 1, settings))
 
 

@@ -158,6 +158,8 @@ def test_loss_aggregations_and_the_trust_region_pass_with_gspo(tmp_path):
     (lambda c: setattr(c.train, "lr_schedule", "step"), 2, "train.lr_schedule='step': use one of constant, linear, cosine"),
     (lambda c: setattr(c.train, "warmup_steps", -1), 2, r"train.warmup_steps=-1: must be >= 0"),
     (lambda c: setattr(c.train, "min_lr_ratio", 1.5), 2, r"train.min_lr_ratio=1.5: must be in \[0, 1\]"),
+    (lambda c: setattr(c.train, "lr_multipliers", {"model.vision_model.": 0}), 2,
+     r"train.lr_multipliers=\{'model.vision_model.': 0\}: each factor must be a number > 0"),
     (lambda c: setattr(c.train, "no_weight_decay_on", ("norms", "gates")), 2, r"unknown \['gates'\]"),
     (lambda c: setattr(c.train, "mini_batches_per_step", 65), 2,
      r"train.mini_batches_per_step=65 exceeds the rollouts of a step \(.* = 64\)"),

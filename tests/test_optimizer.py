@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from molt.optimizer import OptimizerSettings, build_optimizer, lr_factor, split_weight_decay
+from molt.optimizer import OptimizerSettings, build_optimizer, group_parameters, lr_factor
 
 
 def settings(schedule: str, **fields) -> OptimizerSettings:
@@ -71,6 +71,12 @@ def tiny_qwen3(bias: bool = False):
     return transformers.Qwen3ForCausalLM(config)
 
 
+def split_weight_decay(model, exempt):
+    groups = group_parameters(model, OptimizerSettings(lr=1.0, weight_decay=0.1, no_weight_decay_on=exempt))
+    return ([p for g in groups if g["weight_decay"] for p in g["params"]],
+            [p for g in groups if not g["weight_decay"] for p in g["params"]])
+
+
 def test_no_weight_decay_groups_pick_norms_biases_and_embeddings():
     model = tiny_qwen3(bias=True)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -103,3 +109,21 @@ def test_exempt_parameters_keep_their_values_under_pure_weight_decay():
     for name, parameter in model.named_parameters():
         moved = not torch.equal(parameter, before[name])
         assert moved == ("norm" not in name), name
+
+
+def test_lr_multipliers_give_modules_their_own_rate_under_the_shared_schedule():
+    model = tiny_qwen3(bias=True)
+    settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, no_weight_decay_on=("biases",), schedule="linear",
+                                 num_steps=4, lr_multipliers=(("model.layers.1.", 3.0), ("model.layers.1.mlp.", 0.5)))
+    optimizer, schedule = build_optimizer(model, settings)
+    names = {id(p): n for n, p in model.named_parameters()}
+    rate = {names[id(p)]: (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
+    assert rate["model.layers.0.self_attn.q_proj.weight"] == (1e-3, 0.1)
+    assert rate["model.layers.1.self_attn.q_proj.weight"] == (pytest.approx(3e-3), 0.1)
+    assert rate["model.layers.1.self_attn.q_proj.bias"] == (pytest.approx(3e-3), 0.0)
+    assert rate["model.layers.1.mlp.up_proj.weight"] == (pytest.approx(5e-4), 0.1)  # the longest prefix wins
+    assert len(rate) == len(list(model.parameters())) and optimizer.param_groups[0]["lr"] == 1e-3
+    schedule.step()
+    assert {round(g["lr"] / g["initial_lr"], 12) for g in optimizer.param_groups} == {0.75}  # one schedule
+    with pytest.raises(ValueError, match="no trainable parameter name starts with \\['vision.'\\]"):
+        build_optimizer(model, OptimizerSettings(lr=1e-3, lr_multipliers=(("vision.", 2.0),)))
