@@ -30,14 +30,15 @@ from molt.objectives import (aggregate_tokens, compute_cispo_loss, compute_entro
 from molt.optimizer import OptimizerSettings, build_optimizer
 from molt.parallelize import ShardingPlan, TrainerMesh, shard_model
 from molt.routing_replay import RoutingReplay
+from molt.vision_language import format_image_inputs, text_backbone, vision_tower
 
 logger = logging.getLogger("molt")
 
 
 def build_actor_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan,
                       logprob_chunk_tokens: int = 1024, freeze_router: bool = False) -> nn.Module:
-    """A Hugging Face causal LM laid out on `mesh` (the trainer ranks only) and loaded without ever
-    holding the whole model on one rank.
+    """A Hugging Face causal LM (or vision-language model: molt.vision_language) laid out on `mesh`
+    (the trainer ranks only) and loaded without ever holding the whole model on one rank.
 
     The model is built on the meta device, its LM head becomes a `ScoringHead` (chunked log-probs),
     `shard_model` applies tensor parallelism (when the mesh has tp > 1) and the plan (activation
@@ -48,10 +49,20 @@ def build_actor_model(model_path: str, *, mesh: TrainerMesh, device: torch.devic
     routers get no gradient and no update (molt.expert_parallel.freeze_routers).
     """
     model = build_empty_model(model_path, dtype=plan.param_dtype)
+    backbone, vision = text_backbone(model), vision_tower(model)
+    if vision is not None and mesh.tp_size > 1:
+        raise ValueError(f"layout.trainer_tensor_parallel_size={mesh.tp_size}: {type(model).__name__} is a "
+                         f"vision-language model, which Molt's trainer does not tensor-parallelise; use 1")
     install_scoring_head(model, chunk_tokens=logprob_chunk_tokens)
     if freeze_router:
-        freeze_routers(model.model)
-    shard_and_load(model, model.model, model_path, mesh=mesh, device=device, plan=plan)
+        freeze_routers(backbone)
+    shard_and_load(model, backbone, model_path, mesh=mesh, device=device, plan=plan)
+    if vision is not None:
+        # The vision tower and connector stay in the root FSDP unit, gathered on every rank at every
+        # forward: a rank whose micro-batch holds no image skips them, so a unit of their own would
+        # miss its all-gather there. Such a rank's unused vision parameters then reduce zero gradients,
+        # so every rank reduce-scatters the same parameters.
+        model.set_reduce_scatter_unused_params(True)
     if model.config.tie_word_embeddings and model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("sharding untied the input and output embeddings of a tied model")
@@ -145,7 +156,8 @@ def install_scoring_head(model: nn.Module, *, chunk_tokens: int) -> None:
 
 def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: float | torch.Tensor,
                  with_entropy: bool = False, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 position_ids: torch.Tensor | None = None, image_inputs: dict[str, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[rows, len] log p(token t | the tokens before it in its sequence) under logits / temperature
     (at least float32), and with `with_entropy` the entropy of that distribution; 0 at each
     sequence's first token (column 0, or where `position_ids` is 0 in a packed row).
@@ -156,6 +168,9 @@ def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: floa
     A model with a `ScoringHead` computes both in chunks, never holding [tokens, vocab] logits; a
     plain Hugging Face model (tests, tools) goes through its full logits. Padded rows must be
     right-padded (positions then count from 0 in every row).
+
+    `image_inputs`: a vision-language model's image tensors, concatenated over the images in the
+    order of their placeholder tokens in `input_ids` read row by row (molt.batch.MicroBatch.image_inputs).
     """
     targets = torch.roll(input_ids, -1, dims=-1)  # position t predicts token t + 1
     if isinstance(temperature, torch.Tensor):
@@ -164,6 +179,8 @@ def score_tokens(model: nn.Module, input_ids: torch.Tensor, *, temperature: floa
                              f"input_ids, got {tuple(temperature.shape)}")
         temperature = torch.roll(temperature, -1, dims=-1)  # ...at the temperature token t + 1 was sampled at
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if image_inputs:
+        inputs.update(format_image_inputs(model.config, image_inputs))
     head = model.get_output_embeddings()
     if isinstance(head, ScoringHead):
         head.request = (targets, temperature, with_entropy)
@@ -594,7 +611,7 @@ def choose_layout(actor: Actor, pad_token_id: int, compute_dtype: torch.dtype) -
     then pads, with a warning."""
     layout = packing_layout(actor.model)
     generator = torch.Generator().manual_seed(0)
-    vocab_size = actor.model.config.vocab_size
+    vocab_size = actor.model.config.get_text_config().vocab_size
     experiences = []
     for rollout_id, length in enumerate((7, 4, 3)):
         token_ids = torch.randint(0, vocab_size, (length,), generator=generator).tolist()

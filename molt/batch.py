@@ -40,6 +40,10 @@ class MicroBatch:
     # Routed experts for routing replay (molt.routes): each experience's own, -1 (unknown) on padding
     # and for an experience without routes; None when no experience here has any.
     routed_experts: torch.Tensor | None = None  # [batch, seq, layers, top_k] int16
+    # The experiences' image tensors (molt.images.ImageInputs.tensors), concatenated along dim 0 in
+    # row order, each experience's images in its own order: the order the model reads their
+    # placeholder tokens, padded or packed (packed rows keep the rows' order). None without images.
+    image_inputs: dict[str, torch.Tensor] | None = None  # name -> [tiles over all images, ...]
     # Packed micro-batches only (None when padded):
     packed_ids: torch.Tensor | None = None  # [packed_rows, width] the packed token ids (pad at row ends)
     position_ids: torch.Tensor | None = None  # [packed_rows, width] each token's position in its own sequence
@@ -68,9 +72,11 @@ class MicroBatch:
         rows with per-sequence position ids and no mask (Hugging Face then keeps attention within
         each sequence: a block-diagonal causal mask per row, or variable-length flash attention on
         CUDA where flash-attn is installed: molt.actor.choose_attention)."""
-        if self.packed_ids is None:
-            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
-        return {"input_ids": self.packed_ids, "position_ids": self.position_ids}
+        inputs = ({"input_ids": self.input_ids, "attention_mask": self.attention_mask} if self.packed_ids is None
+                  else {"input_ids": self.packed_ids, "position_ids": self.position_ids})
+        if self.image_inputs is not None:
+            inputs["image_inputs"] = self.image_inputs  # molt.actor.score_tokens formats them for the model
+        return inputs
 
     def model_temperatures(self) -> torch.Tensor:
         """`temperatures` laid out like `model_inputs()`: the padded rows, or [packed_rows, width]
@@ -108,6 +114,8 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.image_inputs is not None:
+            moved["image_inputs"] = {name: tensor.to(device) for name, tensor in self.image_inputs.items()}
         return MicroBatch(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
                              for name, value in moved.items()})
 
@@ -345,6 +353,7 @@ def _collate(all_experiences: list[Experience], all_advantages: list[float], pac
         truncated=torch.tensor([e.truncated for e in experiences], dtype=torch.bool),
         rows=rows,
         routed_experts=_collate_routes(experiences, seq_len),
+        image_inputs=_collate_images(experiences),
     )
     if packed:
         lengths = [[all_experiences[i].num_tokens for i in packed_row] for packed_row in packed_rows]
@@ -366,6 +375,19 @@ def _collate_routes(experiences: list[Experience], seq_len: int) -> torch.Tensor
         if experience.routed_experts is not None:
             routes[row, :experience.num_tokens] = experience.routed_experts
     return routes
+
+
+def _collate_images(experiences: list[Experience]) -> dict[str, torch.Tensor] | None:
+    """The experiences' image tensors concatenated in row order; None when none has images."""
+    images = [e.images for e in experiences if e.images is not None and e.images.num_images]
+    if not images:
+        return None
+    names = set(images[0].tensors)
+    if any(set(image.tensors) != names for image in images):
+        raise ValueError(f"experiences of one micro-batch hold different image tensors "
+                         f"{sorted({tuple(sorted(image.tensors)) for image in images})}; all must come from one "
+                         f"model's processor")
+    return {name: torch.cat([image.tensors[name] for image in images]) for name in sorted(names)}
 
 
 def _pack(micro_batch: MicroBatch, lengths: list[list[int]], pad_token_id: int) -> None:

@@ -281,6 +281,10 @@ class RolloutEngine:
         """Receive one refit broadcast and load it; generation must be paused by the caller. The
         engine core labels what it samples from here on with `version` (see `stream`)."""
         await self.weight_sync.receive(self.llm, version)
+        # Image features the vision tower computed under the old weights must not be reused. vLLM's
+        # reload clears the workers' encoder cache but not the scheduler's record of it, and the next
+        # request with a cached image then dies ("Encoder cache miss"): reset both, whatever the backend.
+        await self.llm.reset_encoder_cache()
         self.unlabelled_weights = True
         await self.llm.update_weight_version(str(version))
         self.unlabelled_weights = False

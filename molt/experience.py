@@ -75,6 +75,16 @@ class Experience:
         """Positions with a known route (0 without routes)."""
         return self.summary.get("num_routed_tokens", 0) if self.summary else count_known(self.routed_experts)
 
+    @property
+    def num_images(self) -> int:
+        """Images the segment shows (0 without any); known from the summary while offloaded."""
+        return self.summary.get("num_images", 0) if self.summary else (self.images.num_images if self.images else 0)
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of the images' files and processor tensors (ImageInputs.nbytes), what they add to a payload."""
+        return self.summary.get("image_bytes", 0) if self.summary else (self.images.nbytes if self.images else 0)
+
     def action_version_stats(self) -> tuple[int, int, int, int]:
         """(count, sum, min, max) of the action tokens' policy versions ((0, 0, 0, 0) without any)."""
         summary = self.summary or summarize_tokens(self)
@@ -97,12 +107,13 @@ class Experience:
 
 def summarize_tokens(experience: Experience) -> dict[str, int]:
     """What the controller reads of the token-axis fields: their length, the action-token count,
-    the action tokens' policy versions (sum, min, max) for the staleness metrics, and how many
-    positions have a known route."""
+    the action tokens' policy versions (sum, min, max) for the staleness metrics, how many
+    positions have a known route, and the images' count and bytes (the images stay in the payload)."""
     versions = [v for is_action, v in zip(experience.action_mask, experience.policy_versions) if is_action]
     return {"num_tokens": len(experience.token_ids), "num_action_tokens": len(versions),
             "version_sum": sum(versions), "version_min": min(versions, default=0),
-            "version_max": max(versions, default=0), "num_routed_tokens": count_known(experience.routed_experts)}
+            "version_max": max(versions, default=0), "num_routed_tokens": count_known(experience.routed_experts),
+            "num_images": experience.num_images, "image_bytes": experience.image_bytes}
 
 
 def compute_action_digest(token_ids, action_mask) -> int:

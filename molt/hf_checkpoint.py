@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 # FSDP2's shard of a tensor-parallel part.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
+
+from molt.vision_language import auto_model_class
 
 logger = logging.getLogger("molt")
 
@@ -72,7 +74,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def build_empty_model(
-    model_path: str, *, dtype: torch.dtype, auto_class: type = AutoModelForCausalLM
+    model_path: str, *, dtype: torch.dtype, auto_class: type | None = None
 ) -> nn.Module:
     """The model of `model_path`'s config.json with its parameters on the meta device.
 
@@ -81,9 +83,12 @@ def build_empty_model(
 
     Args:
         dtype: the parameters' dtype (the checkpoint's is cast to it at load).
-        auto_class: `AutoModelForCausalLM`, or `AutoModel` for the backbone alone (the critic's).
+        auto_class: `AutoModel` for the backbone alone (the critic's); None picks from the config:
+            `AutoModelForImageTextToText` for a vision-language model, else `AutoModelForCausalLM`
+            (molt.vision_language.auto_model_class).
     """
     config = AutoConfig.from_pretrained(model_path)
+    auto_class = auto_class or auto_model_class(config)
     with parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype)
     model.config.use_cache = False

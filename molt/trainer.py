@@ -379,7 +379,10 @@ class Trainer:
                    "controller/bytes_received_total": float(self.router.bytes_received),
                    "controller/bytes_sent_total": float(self.router.bytes_sent),
                    "controller/token_values_received_total": float(self.controller.token_values_received)}
-        return self.reload([experiences[i] for i in own]), BatchInfo(**batch, own=own), micro_batch_counts, metrics
+        reloaded = self.reload([experiences[i] for i in own])
+        # What this rank trains on after the reload: each experience's images came back with it.
+        metrics["train/rank0_images"] = float(sum(e.images.num_images for e in reloaded if e.images is not None))
+        return reloaded, BatchInfo(**batch, own=own), micro_batch_counts, metrics
 
     # -- refit -----------------------------------------------------------------------------
 
@@ -444,7 +447,7 @@ class Trainer:
 
         Collective over the trainer group (the trainer's forward pass is sharded)."""
         generator = torch.Generator().manual_seed(1234)
-        vocab_size = self.actor.model.config.vocab_size
+        vocab_size = self.actor.model.config.get_text_config().vocab_size
         probe = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=generator)
         # The trainer scores at the sampling temperature; the check compares at temperature 1.
         temperature, self.actor.temperature = self.actor.temperature, 1.0
@@ -474,6 +477,9 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
         "rollout/tokens": float(sum(e.num_tokens for e in experiences)),
         "rollout/response_length_mean": statistics.fmean(response_lengths) if response_lengths else math.nan,
         "rollout/truncated_share": statistics.fmean(e.truncated for e in experiences) if experiences else math.nan,
+        # The images stay in the rollout ranks' payload stores; the records say how many and how big.
+        "rollout/images": float(sum(e.num_images for e in experiences)),
+        "rollout/image_bytes": float(sum(e.image_bytes for e in experiences)),
     }
     metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in rollouts.failures.items()})
     metrics.update({f"rollout/filtered_{reason}": float(n) for reason, n in rollouts.filtered_groups.items()})

@@ -209,5 +209,6 @@ def test_vlm_preset_keeps_text_chat_and_is_deterministic(tmp_path, tiny_vlm_path
                                                {"type": "text", "text": "2+2="}]}]
     assert "<image>2+2=" in vlm_tokenizer.apply_chat_template(with_image, tokenize=False)
     again = make_tiny_model.make_tiny_model(tmp_path / "vlm", preset="vlm")
-    for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json", "processor_config.json"]:
+    for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
+                 "processor_config.json"]:
         assert (again / name).read_bytes() == (tiny_vlm_path / name).read_bytes(), name
