@@ -58,6 +58,14 @@ class ValueModel(nn.Module):
 def build_value_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
     """The backbone of a Hugging Face causal LM with a zero value head, sharded and loaded like
     `build_actor_model` (meta device, `shard_model`, each rank reading its own slices)."""
+    from transformers import AutoConfig
+
+    from molt.vision_language import is_vision_language
+
+    if is_vision_language(AutoConfig.from_pretrained(model_path)):
+        raise ValueError(f"model.path={model_path!r} is a vision-language model; a critic (GAE, "
+                         f"algorithm.advantage_estimator) on one is not supported yet: use a group estimator "
+                         f"such as grpo")
     model = ValueModel(build_empty_model(model_path, dtype=plan.param_dtype, auto_class=AutoModel))
     shard_and_load(model, model.model, model_path, mesh=mesh, device=device, plan=plan,
                    not_in_checkpoint="value_head.")

@@ -109,13 +109,14 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     # Registers the "fake" backend: collectives return at once, so one process can play rank 0 of any size.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from molt.parallelize import ShardingPlan, build_trainer_mesh, count_checkpointed_blocks, shard_causal_lm
+    from molt.parallelize import ShardingPlan, build_trainer_mesh, count_checkpointed_blocks, shard_model
+    from molt.vision_language import auto_model_class, text_backbone
 
     transformers.logging.set_verbosity_error()
     try:
         hf_config = transformers.AutoConfig.from_pretrained(source)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.train.param_dtype))
+            model = auto_model_class(hf_config).from_config(hf_config, dtype=getattr(torch, cfg.train.param_dtype))
     except (ValueError, KeyError, OSError) as error:
         raise ConfigError(f"{source_field}={source!r}: cannot build a causal LM from its config.json: "
                           f"{type(error).__name__}: {error}") from error
@@ -126,10 +127,12 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     head = model.get_output_embeddings()
     tied = head is None or head.weight is model.get_input_embeddings().weight
     ep = cfg.layout.trainer_expert_parallel_size  # a block gathers only its rank's share of the experts
-    blocks = {f"model.layers.{index}": sum(p.numel() // (ep if ROUTED_EXPERT.search(name) else 1)
-                                           for name, p in block.named_parameters())
-              for index, block in enumerate(model.model.layers)}
-    in_blocks = sum(p.numel() for p in model.model.layers.parameters())
+    backbone = text_backbone(model)  # model.model, or a vision-language model's text tower
+    prefix = next(name for name, module in model.named_modules() if module is backbone)
+    blocks = {f"{prefix}.layers.{index}": sum(p.numel() // (ep if ROUTED_EXPERT.search(name) else 1)
+                                              for name, p in block.named_parameters())
+              for index, block in enumerate(backbone.layers)}
+    in_blocks = sum(p.numel() for p in backbone.layers.parameters())
     units = {**blocks, "root (embeddings, final norm, LM head)": num_params - in_blocks}
     if dist.is_initialized():
         raise RuntimeError("--dry-run builds its own fake process group; run it outside a distributed job")
@@ -145,7 +148,7 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
                                   expert_parallel_size=layout.trainer_expert_parallel_size)
         plan = ShardingPlan.from_config(cfg)
         try:
-            shard_causal_lm(model, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
+            shard_model(model, backbone, mesh=mesh, plan=dataclasses.replace(plan, cpu_offload=False))
         except ValueError as error:  # a layout the model cannot take (its message names the field)
             raise ConfigError(str(error)) from error
         shards = [p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()]

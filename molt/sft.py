@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, check_sft_options,
                          check_trainer_mesh, check_trainer_options, field_type_errors, load_config)
+from molt.images import ImageEncoder, row_messages
 from molt.metrics import configure_logging
 from molt.train import map_slurm_environment, resolve_device, trainer_device_type
 
@@ -47,7 +48,7 @@ logger = logging.getLogger("molt")
 
 SETTINGS_FILE = "sft.json"
 # The train section's fields SFT reads (the rest are RL's): a change to one of them retrains.
-SFT_TRAIN_FIELDS = ("learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay",
+SFT_TRAIN_FIELDS = ("learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio", "lr_multipliers", "weight_decay",
                     "no_weight_decay_on", "adam_betas", "adam_eps", "max_grad_norm", "max_tokens_per_micro_batch",
                     "param_dtype", "compute_dtype", "activation_checkpointing", "cpu_offload",
                     "logprob_chunk_tokens", "packing", "freeze_router")
@@ -104,15 +105,31 @@ def load_examples(path: str, tokenizer) -> list[Experience]:
     from molt.dataset import load_prompt_rows
     from molt.experience import Experience
 
-    examples = []
+    examples, encoder = [], None
     for index, row in enumerate(load_prompt_rows(path)):
-        ids, mask = tokenize_chat(tokenizer, chat_messages(row, f"{path}: row {index + 1}"), row.tools)
+        where = f"{path}: row {index + 1}"
+        messages, blobs = row_messages(chat_messages(row, where), row.images)
+        ids, mask = tokenize_chat(tokenizer, messages, row.tools)
+        images = None
+        if blobs:  # each rendered placeholder becomes the image's run, as the endpoint expands it
+            encoder = encoder or ImageEncoder(tokenizer.name_or_path)
+            placeholders = [token == encoder.placeholder_id for token in ids]
+            ids, images = encoder.expand(ids, blobs)
+            mask = expand_context_mask(mask, placeholders, images.lengths)
         if not any(mask[1:]):  # the first token predicts nothing
-            raise ValueError(f"{path}: row {index + 1}: its assistant turns render to no trainable token")
+            raise ValueError(f"{where}: its assistant turns render to no trainable token")
         examples.append(Experience(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
-                                   policy_versions=[0] * len(ids), reward=0.0, score=0.0, group_id=index,
-                                   rollout_id=index))
+                                   policy_versions=[0] * len(ids), images=images, reward=0.0, score=0.0,
+                                   group_id=index, rollout_id=index))
     return examples
+
+
+def expand_context_mask(mask: list[int], placeholders: list[bool], lengths: list[int]) -> list[int]:
+    """The loss mask of ids whose placeholders (True) each became a run of `lengths[i]` context tokens."""
+    expanded, runs = [], iter(lengths)
+    for value, is_placeholder in zip(mask, placeholders):
+        expanded += [0] * next(runs) if is_placeholder else [value]
+    return expanded
 
 
 def resolve_num_steps(cfg: MoltConfig, num_rows: int) -> int:

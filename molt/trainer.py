@@ -449,6 +449,10 @@ class Trainer:
         generator = torch.Generator().manual_seed(1234)
         vocab_size = self.actor.model.config.get_text_config().vocab_size
         probe = torch.randint(0, vocab_size, (1, PROBE_LENGTH), generator=generator)
+        # An image placeholder without its image means nothing to an engine (nor to the model): text only.
+        image_token = getattr(self.actor.model.config, "image_token_id", None)
+        if image_token is not None:
+            probe[probe == image_token] = (image_token + 1) % vocab_size
         # The trainer scores at the sampling temperature; the check compares at temperature 1.
         temperature, self.actor.temperature = self.actor.temperature, 1.0
         try:

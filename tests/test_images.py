@@ -206,3 +206,35 @@ def test_prompt_rows_carry_images_as_paths_data_uris_or_bytes(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "images": [3]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: images\\[0\\] must be"):
         load_prompt_rows(tmp_path / "bad.jsonl")
+
+
+def test_sft_image_rows_become_the_processors_ids_with_the_images_as_context(tmp_path, tiny_vlm_path, processor):
+    from transformers import AutoTokenizer
+
+    from molt.sft import load_examples
+
+    image = Image.new("RGB", (128, 64), "white")
+    ImageDraw.Draw(image).text((10, 10), "3+4", fill="black")
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png_of(image))}},
+                                                       {"type": "text", "text": "sum?"}]},
+                          {"role": "assistant", "content": "3+4=7"}]},
+            {"prompt": "sum?", "label": "3+4=7", "images": [data_uri(png_of(image))]}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vlm_path)
+    first, second = load_examples(str(tmp_path / "sft.jsonl"), tokenizer)
+    assert first.token_ids == second.token_ids and first.action_mask == second.action_mask
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "sum?"}]}],
+                                           add_generation_prompt=True, tokenize=False)
+    reference = processor(text=[prompt], images=[[image]], return_tensors="pt", add_special_tokens=False)
+    length = reference["input_ids"].shape[1]
+    assert first.token_ids[:length] == reference["input_ids"][0].tolist()
+    assert torch.equal(first.images.tensors["pixel_values"], reference["pixel_values"][0])
+    assert not any(first.action_mask[:length])  # the image and the question are context
+    reply = processor.tokenizer.decode([t for t, m in zip(first.token_ids, first.action_mask) if m])
+    assert reply.startswith("3+4=7")
+
+
+def png_of(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
