@@ -67,14 +67,26 @@ def _sets(tiny_model_dir, data_dir, out, **fields) -> list[str]:
         "train.learning_rate": 1e-3, "agent.path": VARIED_AGENT, **fields})
 
 
+def straight_sets(tiny_model_dir, data_dir, out) -> list[str]:
+    """The uninterrupted run that tests/shared_jobs.py's straight_run makes once for the session:
+    the schedule, a checkpoint after every step (tests/test_resume_e2e.py resumes from them)."""
+    return _sets(tiny_model_dir, data_dir, out, **SCHEDULE, **{"checkpoint.interval_steps": 1,
+                                                               "checkpoint.keep_last": NUM_STEPS})
+
+
+def write_eight_prompts(data: Path, demo_data_dir) -> Path:
+    """`data`/train.jsonl: the demo's first 8 prompts (one epoch = 2 steps)."""
+    rows = (Path(demo_data_dir) / "train.jsonl").read_text().splitlines()[:NUM_PROMPTS]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return data
+
+
 @pytest.fixture
 def eight_prompts(tmp_path, demo_data_dir) -> Path:
     """A data directory whose train.jsonl holds the demo's first 8 prompts (one epoch = 2 steps)."""
     data = tmp_path / "data"
     data.mkdir()
-    rows = (Path(demo_data_dir) / "train.jsonl").read_text().splitlines()[:NUM_PROMPTS]
-    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
-    return data
+    return write_eight_prompts(data, demo_data_dir)
 
 
 def _check_each_epoch_trains_every_prompt_once(prompts: dict[int, dict]) -> None:
@@ -85,19 +97,20 @@ def _check_each_epoch_trains_every_prompt_once(prompts: dict[int, dict]) -> None
         assert sorted(epoch) == list(range(NUM_PROMPTS)), prompts  # none lost, none twice
 
 
-@pytest.mark.timeout(1500)  # three torchrun jobs: 420 + 300 + 420 s limits
-def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_path, tiny_model_dir, eight_prompts):
+@pytest.mark.timeout(1500)  # three torchrun jobs (one the session's straight run): 420 + 300 + 420 s limits
+def test_kill_9_and_resume_trains_the_prompts_and_losses_of_a_straight_run(tmp_path, tiny_model_dir,
+                                                                           eight_prompts_data, straight_run):
     """Synchronous: N steps straight, and N/2 + SIGKILL of the whole job + resume + N/2, train on the
     same prompts in the same steps with the same losses, across the epoch boundary the checkpoint
     sits on; the resumed engines carry the checkpoint's weights before the first new rollout (the
-    refit check right after the resume)."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, straight, **SCHEDULE))
-    assert done.returncode == 0, done.stderr[-4000:]
-    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts, killed, **SCHEDULE),
+    refit check right after the resume). The straight run (tests/shared_jobs.py) checkpoints every
+    step, this one every INTERVAL steps."""
+    straight, killed = straight_run.out, tmp_path / "killed"
+    assert straight_run.returncode == 0, straight_run.stderr[-4000:]
+    _run_and_kill_after_checkpoint(_sets(tiny_model_dir, eight_prompts_data, killed, **SCHEDULE),
                                    killed / "checkpoints" / f"step_{INTERVAL:08d}" / "COMPLETE")
     assert max(_rows(killed)) < NUM_STEPS  # it was killed mid-run
-    resumed = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, killed, **SCHEDULE,
+    resumed = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts_data, killed, **SCHEDULE,
                                        **{"checkpoint.resume": "auto"}))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resumed from {killed / 'checkpoints' / f'step_{INTERVAL:08d}'}: step {INTERVAL}" in resumed.stderr

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from test_checkpoint_e2e import NUM_PROMPTS, NUM_STEPS, _prompts, _rows, _sets, eight_prompts  # noqa: F401
+from test_checkpoint_e2e import NUM_PROMPTS, NUM_STEPS, SCHEDULE, _prompts, _rows, _sets
 from test_train_e2e import DEMO, ROOT, _descendants, _kill_tree, _torchrun
 
 pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
@@ -79,17 +79,17 @@ def _check_same_state(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.timeout(1500)  # three torchrun jobs of up to 420 s each
-def test_resume_at_1_and_2_trainer_ranks_and_stop_on_sigusr1(tmp_path, tiny_model_dir, eight_prompts):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, straight, **{
-        "checkpoint.interval_steps": 1, "checkpoint.keep_last": NUM_STEPS}))
-    assert done.returncode == 0, done.stderr[-4000:]
+@pytest.mark.timeout(1500)  # three torchrun jobs (one the session's straight run) of up to 420 s each
+def test_resume_at_1_and_2_trainer_ranks_and_stop_on_sigusr1(tmp_path, tiny_model_dir, eight_prompts_data,
+                                                             straight_run):
+    # The straight run (tests/shared_jobs.py, 1 trainer rank) checkpoints every step, with SCHEDULE.
+    straight, resumed = straight_run.out, tmp_path / "resumed"
+    assert straight_run.returncode == 0, straight_run.stderr[-4000:]
     checkpoints = straight / "checkpoints"
 
     # 1 -> 2 trainer ranks, stopped by SIGUSR1 after the first resumed step.
     log = tmp_path / "signalled.log"
-    code = _run_and_signal_once_resumed(_sets(tiny_model_dir, eight_prompts, resumed, **{
+    code = _run_and_signal_once_resumed(_sets(tiny_model_dir, eight_prompts_data, resumed, **SCHEDULE, **{
         "checkpoint.interval_steps": 0, "checkpoint.resume": checkpoints / "step_00000002"}), log)
     text = log.read_text()
     assert code == 0, text[-4000:]
@@ -100,7 +100,7 @@ def test_resume_at_1_and_2_trainer_ranks_and_stop_on_sigusr1(tmp_path, tiny_mode
                       _state(checkpoints / "step_00000003", tmp_path))
 
     # 2 -> 1 trainer ranks: the requeued job resumes where the signal stopped it.
-    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts, resumed, **{
+    done = _torchrun(2, DEMO, _sets(tiny_model_dir, eight_prompts_data, resumed, **SCHEDULE, **{
         "checkpoint.interval_steps": 1, "checkpoint.resume": "auto"}))
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"resumed from {resumed / 'checkpoints' / 'step_00000003'}: step 3" in done.stderr

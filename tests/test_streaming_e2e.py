@@ -12,7 +12,6 @@ from test_train_e2e import DEMO, _job_sets, _torchrun
 # torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
 SLOW_AGENT = str(Path(__file__).parent / "agents" / "slow_two_turn.py")
 DROP_REASONS = ("failed", "failed_group", "filtered", "stale")
 
@@ -27,21 +26,25 @@ def _check_accounting(row: dict) -> None:
     assert row["rollout/dispatched_total"] == row["rollout/consumed_total"] + dropped + row["rollout/in_flight"], row
 
 
-@pytest.mark.timeout(1200)  # two torchrun jobs of up to 420 s each
-def test_max_staleness_zero_is_synchronous_and_reproducible(tmp_path, tiny_model_dir, demo_data_dir):
+@pytest.mark.timeout(1200)  # two torchrun jobs (one the session's straight run) of up to 420 s each
+def test_max_staleness_zero_is_synchronous_and_reproducible(tmp_path, tiny_model_dir, eight_prompts_data,
+                                                            straight_run):
     # max_staleness=0 is the synchronous trainer (tests/test_controller.py pins its dispatches and
-    # batches): with fixed seeds two jobs train on the same samples and log the same numbers.
-    runs = []
-    for name in ("first", "second"):
-        out = tmp_path / name
-        done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
-            "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0,
-            "train.learning_rate": 1e-3, "algorithm.max_staleness": 0, "rollout.partial_rollout": False}))
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs.append(_rows(out))
+    # batches): with fixed seeds two jobs train on the same samples and log the same numbers. The
+    # first is the session's straight run (tests/shared_jobs.py: varied rewards, 4 steps on 8
+    # prompts, synchronous from _job_sets), the second a job of the very same settings.
+    from test_checkpoint_e2e import NUM_STEPS, straight_sets
+
+    assert straight_run.returncode == 0, straight_run.stderr[-4000:]
+    out = tmp_path / "second"
+    done = _torchrun(2, DEMO, straight_sets(tiny_model_dir, eight_prompts_data, out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert {"algorithm.max_staleness=0", "rollout.partial_rollout=False"} <= set(done.args)
+    # Without the refit check's step-0 row.
+    runs = [[row for row in _rows(run) if row["step"] >= 1] for run in (straight_run.out, out)]
     keys = ("reward/mean", "rollout/tokens", "train/loss", "train/grad_norm", "train/mismatch_kl")
     first, second = ([{key: row[key] for key in keys} for row in rows] for rows in runs)
-    assert len(first) == 3 and first == second
+    assert len(first) == NUM_STEPS and first == second
     assert len({row["reward/mean"] for row in first}) > 1  # the steps differ, so the match is not trivial
     for row in runs[0]:
         assert row["rollout/in_flight"] == 0 and row["staleness/max"] == 0

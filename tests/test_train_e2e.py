@@ -87,18 +87,99 @@ def _job_sets(tiny_model_dir, demo_data_dir, output_dir, **fields) -> list[str]:
     return [f"{key}={value}" for key, value in sets.items()]
 
 
-def test_two_trainers_and_one_engine_train_three_steps(tmp_path, tiny_model_dir, demo_data_dir):
-    out = tmp_path / "run"
+def _metrics_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# A job takes ~40 s here, nearly all of it start-up and shut-down (its steps take ~0.2 s each), so
+# some jobs below are module-scoped and read by several tests: a test of failure handling or of
+# trainer options also runs one advantage estimator with its options (test_every_advantage_estimator_trains
+# reads that job's rows), where the test's own assertions do not depend on the estimator.
+VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
+FAULTS_AGENT = str(Path(__file__).parent / "agents" / "worker_faults.py")
+# Each estimator with some of the loss options, so every option runs in a real job without a job each.
+OBJECTIVES = {
+    "grpo": {"algorithm.importance_level": "token", "algorithm.importance_mode": "mask",
+             "algorithm.importance_band": "[0.5,2.0]", "algorithm.dual_clip": 3.0},
+    "dr_grpo": {"algorithm.kl_coef": 0.05, "algorithm.kl_estimator": "k3"},
+    "group_mean": {"algorithm.entropy_coef": 0.01, "algorithm.importance_level": "token",
+                   "algorithm.importance_mode": "trunc"},
+    "rloo": {"algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward", "algorithm.kl_estimator": "k1",
+             "algorithm.kl_target": 0.01},
+    "reinforce_pp": {"algorithm.gamma": 0.99, "algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward",
+                     "algorithm.kl_estimator": "k2", "algorithm.importance_level": "geo",
+                     "algorithm.importance_mode": "mask"},
+    "gae": {"algorithm.gae_lambda": 0.95, "algorithm.critic_learning_rate": 3e-3, "algorithm.value_clip": 0.5,
+            "algorithm.importance_level": "seq", "algorithm.importance_mode": "mask",
+            "algorithm.importance_band": "[0.1,10.0]", "train.num_steps": 4},
+}
+
+
+def _estimator(name: str) -> dict:
+    return {"algorithm.advantage_estimator": name, **OBJECTIVES[name]}
+
+
+def _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, nproc: int, config: str, fields: dict,
+                env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list[dict], Path]:
+    """A module-scoped job: the finished process, its metrics rows (none if it wrote none) and its run directory."""
+    out = tmp_path_factory.mktemp("job") / "run"
+    done = _torchrun(nproc, config, _job_sets(tiny_model_dir, demo_data_dir, out, **fields), env=env)
+    return done, _metrics_rows(out) if (out / "metrics.jsonl").is_file() else [], out
+
+
+@pytest.fixture(scope="module")
+def two_trainers_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """2 trainer ranks + 1 engine, the flaky agent refilling (test_two_trainers_and_one_engine...),
+    GRPO with token importance masking and dual clip."""
     # The flaky agent fails sample 0 of one group per step once (a refill makes the group whole) and
     # of another group every time (its one refill fails too, so the group is dropped).
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
+    return _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 3, f"{DEMO}:two_trainers", {
         "agent.path": FLAKY_AGENT, "agent.on_failed_rollout": "refill", "agent.max_refills_per_group": 1,
-        "train.learning_rate": 1e-3})
-    done = _torchrun(3, f"{DEMO}:two_trainers", sets)
+        "train.learning_rate": 1e-3, **_estimator("grpo")})
+
+
+@pytest.fixture(scope="module")
+def drop_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """The flaky agent with the default agent.on_failed_rollout (test_failed_rollouts_drop...),
+    Dr. GRPO with a k3 KL loss."""
+    return _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 2, DEMO, {
+        "agent.path": FLAKY_AGENT, "refit.check_every_steps": 0, "rollout.max_response_tokens": 8,
+        "train.learning_rate": 1e-3, **_estimator("dr_grpo")})
+
+
+@pytest.fixture(scope="module")
+def faults_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """The faults agent on one worker (test_agent_workers_survive...), RLOO with an adaptive KL in the reward."""
+    faults = tmp_path_factory.mktemp("faults")
+    done, rows, out = _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 2, DEMO, {
+        "agent.path": FAULTS_AGENT, "rollout.num_agent_workers": 1, "agent.on_failed_rollout": "refill",
+        "agent.max_refills_per_group": 8, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0,
+        "train.learning_rate": 1e-3, **_estimator("rloo")}, env={"MOLT_TEST_FAULTS_DIR": str(faults)})
+    return done, rows, out, faults
+
+
+@pytest.fixture(scope="module")
+def scale_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """Every trainer option on 2 FSDP2 ranks (test_trainer_scale_options...), the group-mean
+    estimator with an entropy bonus and truncated token importance weights."""
+    return _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 3, f"{DEMO}:two_trainers", {
+        "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "train.learning_rate": 1e-3,
+        "train.param_dtype": "float32", "train.compute_dtype": "bfloat16", "train.activation_checkpointing": "full",
+        "train.logprob_chunk_tokens": 16, "train.packing": True, "train.mini_batches_per_step": 2,
+        "train.ppo_epochs": 2, "train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.min_lr_ratio": 0.1,
+        "train.weight_decay": 0.01, "train.no_weight_decay_on": "norms,biases", **_estimator("group_mean")})
+
+
+# The estimators that run in another test's job, and that job's fixture.
+ESTIMATOR_JOBS = {"grpo": "two_trainers_job", "dr_grpo": "drop_job", "rloo": "faults_job",
+                  "group_mean": "scale_job"}
+
+
+def test_two_trainers_and_one_engine_train_three_steps(two_trainers_job):
+    done, rows, out = two_trainers_job
     assert done.returncode == 0, done.stderr[-4000:]
     # Every rank passed the CURVE handshake and nothing was dropped (ranks closing at the end is news only).
     assert "controller socket: refused" not in done.stderr and "malformed" not in done.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
@@ -156,13 +237,10 @@ def test_a_refit_that_fails_its_last_attempt_stops_the_job_naming_the_engine(tmp
     assert fatal and "injected load failure at version 1" in fatal.group(1), done.stderr[-4000:]
 
 
-def test_failed_rollouts_drop_their_groups_by_default(tmp_path, tiny_model_dir, demo_data_dir):
-    out = tmp_path / "run"
-    done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": FLAKY_AGENT, "train.num_steps": 2, "refit.check_every_steps": 0}))
+def test_failed_rollouts_drop_their_groups_by_default(drop_job):
+    done, rows, _ = drop_job
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:  # agent.on_failed_rollout='drop_group': both groups with a failure are dropped
         assert (row["rollout/num_rollouts"], row["rollout/num_groups"], row["rollout/dropped_groups"],
                 row["rollout/refilled"], row["rollout/failed_agent_error"]) == (16, 2, 2, 0, 2), row
@@ -170,34 +248,19 @@ def test_failed_rollouts_drop_their_groups_by_default(tmp_path, tiny_model_dir, 
     assert "failed (agent_error): RuntimeError: flaky agent" in done.stderr
 
 
-VARIED_AGENT = str(Path(__file__).parent / "agents" / "varied_reward.py")
-# Each estimator with some of the loss options, so every option runs in a real job without a job each.
-OBJECTIVES = {
-    "grpo": {"algorithm.importance_level": "token", "algorithm.importance_mode": "mask",
-             "algorithm.importance_band": "[0.5,2.0]", "algorithm.dual_clip": 3.0},
-    "dr_grpo": {"algorithm.kl_coef": 0.05, "algorithm.kl_estimator": "k3"},
-    "group_mean": {"algorithm.entropy_coef": 0.01, "algorithm.importance_level": "token",
-                   "algorithm.importance_mode": "trunc"},
-    "rloo": {"algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward", "algorithm.kl_estimator": "k1",
-             "algorithm.kl_target": 0.01},
-    "reinforce_pp": {"algorithm.gamma": 0.99, "algorithm.kl_coef": 0.05, "algorithm.kl_placement": "reward",
-                     "algorithm.kl_estimator": "k2", "algorithm.importance_level": "geo",
-                     "algorithm.importance_mode": "mask"},
-    "gae": {"algorithm.gae_lambda": 0.95, "algorithm.critic_learning_rate": 3e-3, "algorithm.value_clip": 0.5,
-            "algorithm.importance_level": "seq", "algorithm.importance_mode": "mask",
-            "algorithm.importance_band": "[0.1,10.0]", "train.num_steps": 4},
-}
-
-
 @pytest.mark.parametrize("estimator", list(OBJECTIVES))
-def test_every_advantage_estimator_trains(tmp_path, tiny_model_dir, demo_data_dir, estimator):
-    out = tmp_path / "run"
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": VARIED_AGENT, "algorithm.advantage_estimator": estimator, "rollout.max_response_tokens": 8,
-        "refit.check_every_steps": 0, "train.learning_rate": 1e-3, **OBJECTIVES[estimator]})
-    done = _torchrun(2, DEMO, sets)
+def test_every_advantage_estimator_trains(request, tmp_path, tiny_model_dir, demo_data_dir, estimator):
+    if estimator in ESTIMATOR_JOBS:  # it ran in another test's job (the fixture's docstring says which)
+        done, rows, out, *_ = request.getfixturevalue(ESTIMATOR_JOBS[estimator])
+    else:
+        out = tmp_path / "run"
+        done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
+            "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0,
+            "train.learning_rate": 1e-3, **_estimator(estimator)}))
+        rows = _metrics_rows(out)
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((out / "config.json").read_text())["algorithm"]["advantage_estimator"] == estimator
+    rows = [r for r in rows if r["step"] >= 1]  # without the refit check's step-0 row
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 3
     for row in rows:
         assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
@@ -217,9 +280,6 @@ def test_every_advantage_estimator_trains(tmp_path, tiny_model_dir, demo_data_di
         assert losses[-1] < losses[0], losses
 
 
-FAULTS_AGENT = str(Path(__file__).parent / "agents" / "worker_faults.py")
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -228,18 +288,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited
 
 
-def test_agent_workers_survive_a_killed_worker_and_report_a_blocked_loop(tmp_path, tiny_model_dir, demo_data_dir):
+def test_agent_workers_survive_a_killed_worker_and_report_a_blocked_loop(faults_job):
     """The faults agent SIGKILLs its worker on sample 0 of group 1 (step 1) and blocks its worker's
     loop for 1.5 s on sample 0 of group 4 (step 2), once each. One worker, so the refills and every
     later rollout must wait for its replacement (tests/test_agent_workers.py runs two)."""
-    out, faults = tmp_path / "run", tmp_path / "faults"
-    faults.mkdir()
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": FAULTS_AGENT, "rollout.num_agent_workers": 1, "agent.on_failed_rollout": "refill",
-        "agent.max_refills_per_group": 8, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0})
-    done = _torchrun(2, DEMO, sets, env={"MOLT_TEST_FAULTS_DIR": str(faults)})
+    done, rows, _, faults = faults_job
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     killed_pid, blocked_pid = int((faults / "killed").read_text()), int((faults / "blocked").read_text())
     # Step 1: the rollouts in flight on the killed worker failed as agent_worker_died and were refilled.
@@ -368,23 +422,14 @@ def test_non_finite_steps_push_no_weights_and_repeated_they_stop_the_job_naming_
     assert step1["refit/max_abs_logprob_diff"] <= 1e-4
 
 
-def test_trainer_scale_options_run_in_a_real_job(tmp_path, tiny_model_dir, demo_data_dir):
+def test_trainer_scale_options_run_in_a_real_job(scale_job):
     """Every trainer option selectable from a recipe in one job of 2 FSDP2 trainer ranks: float32
     master weights under bf16 compute (the engine serves float32: refit casts), every block
     checkpointed, small log-prob chunks, packing, 2 mini-batches x 2 epochs, a cosine schedule with
-    warmup, no decay on norms and biases."""
-    out = tmp_path / "run"
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "train.learning_rate": 1e-3,
-        "train.param_dtype": "float32", "train.compute_dtype": "bfloat16", "train.activation_checkpointing": "full",
-        "train.logprob_chunk_tokens": 16, "train.packing": True, "train.mini_batches_per_step": 2,
-        "train.ppo_epochs": 2, "train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.min_lr_ratio": 0.1,
-        "train.weight_decay": 0.01, "train.no_weight_decay_on": "norms,biases",
-        "algorithm.importance_level": "token", "algorithm.importance_mode": "trunc"})
-    done = _torchrun(3, f"{DEMO}:two_trainers", sets)
+    warmup, no decay on norms and biases (and truncated token importance weights)."""
+    done, rows, _ = scale_job
     assert done.returncode == 0, done.stderr[-4000:]
     assert "train.packing" not in done.stderr  # the packing check passed: no fallback warning
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3]
     schedule = OptimizerSettings(lr=1e-3, schedule="cosine", num_steps=3, warmup_steps=1, min_lr_ratio=0.1)

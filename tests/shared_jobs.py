@@ -1,0 +1,36 @@
+"""Session-scoped torchrun jobs that tests of several files read (tests/conftest.py imports the
+fixtures). A job takes ~40 s here, nearly all of it start-up and shut-down, so a reference run that
+several tests compare against runs once."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class FinishedJob:
+    returncode: int
+    stderr: str
+    out: Path  # the run directory: metrics.jsonl, prompts.jsonl, checkpoints/
+
+
+@pytest.fixture(scope="session")
+def eight_prompts_data(tmp_path_factory, demo_data_dir) -> Path:
+    """A data directory whose train.jsonl holds the demo's first 8 prompts (tests/test_checkpoint_e2e.py)."""
+    from test_checkpoint_e2e import write_eight_prompts
+
+    return write_eight_prompts(tmp_path_factory.mktemp("eight-prompts"), demo_data_dir)
+
+
+@pytest.fixture(scope="session")
+def straight_run(tmp_path_factory, tiny_model_dir, eight_prompts_data) -> FinishedJob:
+    """The uninterrupted synchronous run (test_checkpoint_e2e.straight_sets: 4 steps on the 8 prompts,
+    a checkpoint after every step) that the kill -9 resume, the resume across trainer world sizes
+    (tests/test_resume_e2e.py) and the reproducibility test (tests/test_streaming_e2e.py) compare with."""
+    from test_checkpoint_e2e import straight_sets
+    from test_train_e2e import DEMO, _torchrun
+
+    out = tmp_path_factory.mktemp("straight") / "run"
+    done = _torchrun(2, DEMO, straight_sets(tiny_model_dir, eight_prompts_data, out))
+    return FinishedJob(done.returncode, done.stderr, out)
