@@ -14,7 +14,7 @@ import torch
 
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
-from molt.images import ImageInputs, collapse_placeholders, image_digest, open_image
+from molt.images import ImageInputs, collapse_placeholders, count_stray_placeholders, image_digest, open_image
 from molt.route_capture import RouteTaker, count_unknown, native_routes, route_capture_path
 from molt.routes import pad_routes
 from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
@@ -198,6 +198,11 @@ class RolloutEngine:
         if self.image_token_id is None:
             raise ValueError(f"the engine's model ({type(self.tokenizer).__name__} tokenizer) has no image_token_id "
                              f"in its config: it takes no images")
+        stray = count_stray_placeholders(list(token_ids), images, self.image_token_id)
+        if stray:
+            raise ValueError(f"the prompt holds {stray} image placeholder token(s) outside its images (the policy "
+                             f"sampled token {self.image_token_id} in an earlier turn): vLLM would take each for an "
+                             f"image; the rollout cannot go on")
         return TokensPrompt(prompt_token_ids=collapse_placeholders(list(token_ids), images, self.image_token_id),
                             multi_modal_data={"image": [open_image(blob) for blob in images.encoded]})
 

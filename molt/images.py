@@ -74,6 +74,13 @@ class ImageInputs:
         return ImageInputs(encoded=self.encoded, counts=self.counts, positions=self.positions, lengths=self.lengths)
 
 
+def count_stray_placeholders(token_ids: list[int], images: ImageInputs, placeholder_id: int) -> int:
+    """Placeholder tokens outside the images' runs (ones the policy sampled)."""
+    inside = sum(token_ids[position:position + length].count(placeholder_id)
+                 for position, length in zip(images.positions, images.lengths))
+    return token_ids.count(placeholder_id) - inside
+
+
 def collapse_placeholders(token_ids: list[int], images: ImageInputs, placeholder_id: int) -> list[int]:
     """`token_ids` with each image's placeholder run back to the one placeholder token the chat
     template rendered (what vLLM expands itself)."""
@@ -270,6 +277,8 @@ class ImageEncoder:
         batched = BATCHED_OUTPUTS.get(self.model_type, ())
         tensors = {name: (value[0] if name in batched else value) for name, value in outputs.items()
                    if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)}
+        # Masks come as int64 0/1 (8 bytes a pixel); as bool they take an eighth of the payload.
+        tensors = {name: value.bool() if name.endswith("attention_mask") else value for name, value in tensors.items()}
         rows = {len(t) for t in tensors.values()}
         if len(rows) != 1:
             raise ImageError(f"the {self.model_type} processor's outputs disagree on rows per image: "

@@ -28,6 +28,7 @@ from molt.endpoint.server import SessionEndpoint
 from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
 from molt.experience import split_at_version_changes
+from molt.images import count_stray_placeholders
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import ProcessResourceSampler
 from molt.payloads import PayloadStore, default_node_id, offload_record
@@ -42,6 +43,7 @@ RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this lo
 def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
+    logger.info("TIMING-TMP rollout: asyncio.run returned")
 
 
 class RolloutService:
@@ -86,17 +88,23 @@ class RolloutService:
                     continue
                 self.spawn_task(self.guarded(handler, message))
         finally:
+            logger.info("TIMING-TMP rollout: shutdown received")
             for task in self.tasks:
                 task.cancel()
             await self.workers.close()
+            logger.info("TIMING-TMP rollout: workers closed")
             if self.endpoint is not None:
                 await self.endpoint.stop()
+            logger.info("TIMING-TMP rollout: endpoint stopped")
             self.engine.shutdown()
+            logger.info("TIMING-TMP rollout: engine shut down")
             self.payloads.close()
+            logger.info("TIMING-TMP rollout: payloads closed")
             # The controller waits for this before its rank exits (RolloutController.shutdown);
             # the linger gives the message time to leave.
             await self.send({"type": "stopped", "rank": self.rank})
             self.socket.close(linger=2000)
+            logger.info("TIMING-TMP rollout: socket closed")
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast
@@ -148,7 +156,8 @@ class RolloutService:
             await self.send({**outcome, "rank": self.rank})
             return
         outcome = offload_outcome(await self.workers.run(message["request"]), self.payloads,
-                                  partial_rollout=self.cfg.rollout.partial_rollout)
+                                  partial_rollout=self.cfg.rollout.partial_rollout,
+                                  image_token_id=self.engine.image_token_id)
         # The step's metric is the max over its outcomes: the worker's loop lag and this loop's.
         outcome["loop_lag_max_seconds"] = max(outcome.get("loop_lag_max_seconds", 0.0), self.lag.take_max())
         outcome["rank"] = self.rank
@@ -211,16 +220,34 @@ class RolloutService:
                          "version": self.engine.policy_version})
 
 
-def offload_outcome(message: dict, store: PayloadStore, *, partial_rollout: bool) -> dict:
+def offload_outcome(message: dict, store: PayloadStore, *, partial_rollout: bool,
+                    image_token_id: int | None = None) -> dict:
     """An agent worker's outcome as the controller gets it (DESIGN section 7): each experience's
     token-axis fields go into this node's payload store and the record carries a reference to
     them; the trainer rank that trains an experience fetches it from there. Without partial
     rollout, experiences are first split where the policy version changes (split_by_version)."""
     outcome = decode_outcome(message)
+    if image_token_id is not None and not outcome.failure:
+        refuse_sampled_placeholders(outcome, image_token_id)
     if not partial_rollout:
         split_by_version(outcome)
     outcome.experiences = [offload_record(store, e) for e in outcome.experiences]
     return {**message, **encode_outcome(outcome)}
+
+
+def refuse_sampled_placeholders(outcome: RolloutOutcome, image_token_id: int) -> None:
+    """Fail a rollout whose policy sampled the image placeholder token in a segment with images: the
+    model would read it as one more image slot than the segment has images (vLLM's expansion of a
+    later turn and the trainer's forward both break on it). Rare for a trained model; a random tiny
+    model samples it about once in 400 tokens."""
+    for experience in outcome.experiences:
+        if experience.images is not None and (stray := count_stray_placeholders(
+                experience.token_ids, experience.images, image_token_id)):
+            outcome.failure = "sampled_image_token"
+            outcome.error = (f"the policy sampled the image placeholder (token {image_token_id}) {stray} time(s) in "
+                             f"a segment with images; the rollout cannot be trained")
+            outcome.experiences = []
+            return
 
 
 def split_by_version(outcome: RolloutOutcome) -> None:

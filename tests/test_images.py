@@ -74,7 +74,8 @@ def test_placeholder_expansion_equals_the_processor_on_the_whole_prompt(tiny_vlm
     ids, images = encoder.expand(processor.tokenizer.encode(text, add_special_tokens=False), blobs)
     assert ids == reference["input_ids"][0].tolist()
     assert torch.equal(images.tensors["pixel_values"], reference["pixel_values"][0])
-    assert torch.equal(images.tensors["pixel_attention_mask"], reference["pixel_attention_mask"][0])
+    assert torch.equal(images.tensors["pixel_attention_mask"], reference["pixel_attention_mask"][0].bool())
+    assert images.tensors["pixel_attention_mask"].dtype == torch.bool  # an eighth of the int64 mask's bytes
     rendered = processor.tokenizer.encode(text, add_special_tokens=False)
     assert images.counts == [5, 5, 5] and images.encoded == blobs
     assert len(ids) == len(rendered) - 3 + sum(images.lengths)  # each placeholder became its run
@@ -238,3 +239,25 @@ def png_of(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def test_a_rollout_whose_policy_sampled_the_image_placeholder_fails():
+    from molt.agents.base import RolloutOutcome
+    from molt.rollout import refuse_sampled_placeholders
+
+    placeholder = 99
+    images = ImageInputs(encoded=[png("1")], counts=[1], positions=[2], lengths=[3])
+    clean = [1, 2, 7, placeholder, 7, 5, 6]  # the run [7, 99, 7] holds the image's own placeholder
+    stray = clean + [placeholder]  # ...and the policy sampled one more
+
+    def outcome(token_ids):
+        return RolloutOutcome(rollout_id=0, group_id=0, experiences=[Experience(
+            token_ids=token_ids, action_mask=[0] * 5 + [1] * (len(token_ids) - 5),
+            behavior_logprobs=[0.0] * len(token_ids), policy_versions=[0] * len(token_ids), images=images,
+            reward=1.0, score=1.0, group_id=0, rollout_id=0)])
+
+    kept, failed = outcome(clean), outcome(stray)
+    refuse_sampled_placeholders(kept, placeholder)
+    refuse_sampled_placeholders(failed, placeholder)
+    assert kept.failure == "" and len(kept.experiences) == 1
+    assert failed.failure == "sampled_image_token" and failed.experiences == [] and "token 99" in failed.error

@@ -64,7 +64,7 @@ class RolloutOutcome:
     group_id: int
     experiences: list[Experience]
     failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation' | 'prompt_too_long'
-    # | 'context_exhausted' (agent.on_context_exhausted='fail')
+    # | 'context_exhausted' (agent.on_context_exhausted='fail') | 'sampled_image_token' (molt.rollout)
     # or 'agent_worker_died' (the agent worker process running it died; set by the rank)
     error: str = ""  # the exception text of a failure, for the log
     ledger: dict[str, int] = field(default_factory=dict)  # ChatAgent path: turns by how they joined a segment
