@@ -30,3 +30,13 @@ if [[ "${MOLT_DEMO_RECIPE:-}" == *:moe* ]]; then
   fi
   "$PYTHON" -m molt.sft --config configs/demo.py:sft_moe
 fi
+# The vision recipe (configs/demo.py:vision): the tiny Idefics3, the sums drawn as images, and its warm start.
+if [[ "${MOLT_DEMO_RECIPE:-}" == *:vision* ]]; then
+  if [ ! -f "$DEMO/model-vlm/config.json" ]; then
+    "$PYTHON" tools/make_tiny_model.py "$DEMO/model-vlm" --preset vlm --seed 0
+  fi
+  if [ ! -f "$DEMO/data-vision/sft.jsonl" ]; then
+    "$PYTHON" tools/make_vision_data.py "$DEMO/data-vision" --seed 0
+  fi
+  "$PYTHON" -m molt.sft --config configs/demo.py:sft_vision
+fi
