@@ -254,9 +254,9 @@ def build_tokenizer(image_tokens: list[str] | None = None) -> PreTrainedTokenize
     )
 
 
-def build_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Qwen3Config | Qwen3MoeConfig:
-    """The transformers config for a preset's sizes."""
-    common = dict(
+def text_tower_fields(vocab_size: int, token_ids: dict[str, int], sizes: dict, *, tied: bool) -> dict:
+    """The decoder's config fields, shared by the text presets and the vlm preset's text tower."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"],
@@ -267,12 +267,17 @@ def build_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Qwe
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INIT_STD,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         bos_token_id=token_ids[PAD_TOKEN],
         eos_token_id=token_ids[IM_END],
         pad_token_id=token_ids[PAD_TOKEN],
         dtype="float32",
     )
+
+
+def build_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Qwen3Config | Qwen3MoeConfig:
+    """The transformers config for a preset's sizes."""
+    common = text_tower_fields(vocab_size, token_ids, sizes, tied=True)
     if sizes["architecture"] == "Qwen3MoeForCausalLM":
         config = Qwen3MoeConfig(
             **common,
@@ -291,23 +296,7 @@ def build_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Qwe
 
 def build_vlm_config(vocab_size: int, token_ids: dict[str, int], sizes: dict) -> Idefics3Config:
     """The Idefics3 config: a Llama text tower and a SigLIP-style vision tower."""
-    text_config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_attention_heads"],
-        num_key_value_heads=sizes["num_key_value_heads"],
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        initializer_range=INIT_STD,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=token_ids[PAD_TOKEN],
-        eos_token_id=token_ids[IM_END],
-        pad_token_id=token_ids[PAD_TOKEN],
-        dtype="float32",
-    )
+    text_config = LlamaConfig(**text_tower_fields(vocab_size, token_ids, sizes, tied=False))
     vision_config = dict(
         hidden_size=sizes["vision_hidden_size"],
         intermediate_size=sizes["vision_intermediate_size"],
