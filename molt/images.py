@@ -11,6 +11,11 @@ the chat template rendered (`collapse_placeholders`) and its expansion is checke
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import io
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +24,6 @@ import torch
 @dataclass(kw_only=True)
 class ImageInputs:
     """A segment's images, in placeholder order."""
-
     encoded: list[bytes]  # [images] each image's file bytes (PNG, JPEG, ...) as received
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # processor outputs, [rows over all images, ...]
     counts: list[int] = field(default_factory=list)  # [images] rows of dim 0 of every tensor each image owns
@@ -137,8 +141,6 @@ def load_image_bytes(ref, *, where: str, file_root: str | None) -> bytes:
     """The file bytes of one image reference: a `data:` URI (base64), a PIL image (PNG-encoded),
     raw bytes, or a local path / `file://` URL, read only when `file_root` is set and the path lies
     under it ('/' for a dataset's own files). Web URLs are refused: rollout ranks fetch nothing."""
-    import io
-
     if isinstance(ref, (bytes, bytearray, memoryview)):
         blob = bytes(ref)
     elif hasattr(ref, "save") and hasattr(ref, "mode"):  # a PIL image
@@ -159,9 +161,6 @@ def load_image_bytes(ref, *, where: str, file_root: str | None) -> bytes:
 
 
 def decode_data_uri(uri: str, where: str) -> bytes:
-    import base64
-    import binascii
-
     header, _, data = uri.partition(",")
     if not header.startswith("data:image/") or not header.endswith(";base64"):
         raise ImageError(f"{where}: a data URI image must look like data:image/<type>;base64,<data>, "
@@ -173,8 +172,6 @@ def decode_data_uri(uri: str, where: str) -> bytes:
 
 
 def read_image_file(path: str, *, where: str, file_root: str | None) -> bytes:
-    import os
-
     if not file_root:
         raise ImageError(f"{where}: local image path {path!r} refused: set agent.image_root to the directory "
                          f"agents may read images from, or send a data URI")
@@ -190,8 +187,6 @@ def read_image_file(path: str, *, where: str, file_root: str | None) -> bytes:
 
 def check_image(blob: bytes, where: str) -> None:
     """Refuse bytes that are not an image file PIL can read."""
-    import io
-
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -203,8 +198,6 @@ def check_image(blob: bytes, where: str) -> None:
 
 def open_image(blob: bytes):
     """A PIL RGB image of the file bytes."""
-    import io
-
     from PIL import Image
 
     with Image.open(io.BytesIO(blob)) as image:
@@ -213,18 +206,13 @@ def open_image(blob: bytes):
 
 def image_digest(blob: bytes) -> str:
     """A short content digest: equal images compare equal wherever they came from."""
-    import hashlib
-
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
 def data_uri(blob: bytes) -> str:
     """The file bytes as a data URI, for an SDK's image part."""
-    import base64
-
     from PIL import Image
 
-    import io
     with Image.open(io.BytesIO(blob)) as image:
         kind = (image.format or "png").lower()
     return f"data:image/{kind};base64,{base64.b64encode(blob).decode()}"
@@ -240,7 +228,6 @@ BATCHED_OUTPUTS = {"idefics3": ("pixel_values", "pixel_attention_mask")}
 @dataclass(kw_only=True)
 class EncodedImage:
     """What the processor makes of one image: its placeholder run and its tensors."""
-
     token_ids: list[int]  # the expanded placeholder run that takes the place of one image token
     tensors: dict[str, torch.Tensor]  # [rows, ...] each
     num_rows: int
@@ -252,7 +239,6 @@ class ImageEncoder:
     so the ids equal the processor's on the whole prompt (and vLLM's expansion of the placeholder,
     which the engine checks). Encodings are cached by content, so a screenshot repeated in every
     turn is processed once."""
-
     def __init__(self, model_path: str, *, cache_size: int = 256):
         from transformers import AutoConfig, AutoProcessor
 
