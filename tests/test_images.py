@@ -106,7 +106,7 @@ def test_image_parts_of_the_three_apis_normalize_alike():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
             {"type": "text", "text": "screen"}, {"type": "image", "source": {
                 "type": "base64", "media_type": "image/png", "data": base64.b64encode(blob).decode()}}]}]}], None))
-    assert tool[-1]["role"] == "tool" and image_digests(PromptImages("unused").resolve(tool, {})) == [image_digest(blob)]
+    assert tool[-1]["role"] == "tool" and image_digests(PromptImages("unused").resolve(tool, {}, {})) == [image_digest(blob)]
     with pytest.raises(RequestError, match="assistant turn with an image"):
         normalize_messages([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": uri}}]}])
     with pytest.raises(RequestError, match="image_url must be"):
@@ -116,16 +116,22 @@ def test_image_parts_of_the_three_apis_normalize_alike():
 def test_resolved_images_compare_by_content_wherever_they_came_from(tmp_path):
     blob = png("9")
     (tmp_path / "shot.png").write_bytes(blob)
-    images, blobs = PromptImages("unused", file_root=str(tmp_path)), {}
+    images, blobs, known = PromptImages("unused", file_root=str(tmp_path)), {}, {}
     by_uri = images.resolve(normalize_messages([{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_uri(blob)}}]}]), blobs)
+        {"type": "image_url", "image_url": {"url": data_uri(blob)}}]}]), blobs, known)
     by_path = images.resolve(normalize_messages([{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": str(tmp_path / "shot.png")}}]}]), blobs)
+        {"type": "image_url", "image_url": {"url": str(tmp_path / "shot.png")}}]}]), blobs, known)
     assert by_uri == by_path == [{"role": "user", "content": [{"type": "image", "image": image_digest(blob)}]}]
-    assert blobs == {image_digest(blob): blob}
+    assert blobs == {image_digest(blob): blob} and known == {data_uri(blob): image_digest(blob)}
+    # A rewritten file is read again (paths are not cached); a resent data URI is not decoded again.
+    other = png("8")
+    (tmp_path / "shot.png").write_bytes(other)
+    again = images.resolve(normalize_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(tmp_path / "shot.png")}}]}]), blobs, known)
+    assert image_digests(again) == [image_digest(other)]
     with pytest.raises(RequestError, match="agent.image_root") as refused:
         PromptImages("unused").resolve(normalize_messages([{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": str(tmp_path / "shot.png")}}]}]), {})
+            {"type": "image_url", "image_url": {"url": str(tmp_path / "shot.png")}}]}]), {}, {})
     assert refused.value.status == 400
 
 

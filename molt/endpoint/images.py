@@ -27,28 +27,34 @@ class PromptImages:
                 raise RequestError(400, f"this model takes no images: {error}", param="messages") from None
         return self._encoder
 
-    def resolve(self, messages: list[dict], blobs: dict[str, bytes]) -> list[dict]:
+    def resolve(self, messages: list[dict], blobs: dict[str, bytes], known: dict[str, str]) -> list[dict]:
         """`messages` with each image part's `url` read and replaced by {"type": "image", "image":
-        digest}; the files go into `blobs` (digest -> bytes)."""
+        digest}; the files go into `blobs` (digest -> bytes). `known` (data URI -> digest) spares
+        decoding again the images a conversation resends with every request; paths are read every
+        time (a screenshot file may be rewritten between turns)."""
         resolved = []
         for index, message in enumerate(messages):
             content = message["content"]
             if isinstance(content, list):
-                content = [self._resolve_part(part, f"messages[{index}].content[{position}]", blobs)
+                content = [self._resolve_part(part, f"messages[{index}].content[{position}]", blobs, known)
                            for position, part in enumerate(content)]
                 message = {**message, "content": content}
             resolved.append(message)
         return resolved
 
-    def _resolve_part(self, part: dict, where: str, blobs: dict[str, bytes]) -> dict:
+    def _resolve_part(self, part: dict, where: str, blobs: dict[str, bytes], known: dict[str, str]) -> dict:
         if part["type"] != "image" or "url" not in part:
             return part
+        if part["url"] in known:
+            return {"type": "image", "image": known[part["url"]]}
         try:
             blob = load_image_bytes(part["url"], where=where, file_root=self.file_root)
         except ImageError as error:
             raise RequestError(400, str(error), param=where) from None
         digest = image_digest(blob)
         blobs[digest] = blob
+        if part["url"].startswith("data:"):
+            known[part["url"]] = digest
         return {"type": "image", "image": digest}
 
     def expand(self, token_ids: list[int], digests: list[str], blobs: dict[str, bytes]):

@@ -68,6 +68,7 @@ class Session:
         self.tool_parser = tool_parser or (lambda enabled: ToolCallParser(enabled=enabled))
         self.images = images  # image parts' reader and the model's processor; None: images refused
         self._blobs: dict[str, bytes] = {}  # the files of the images this session has seen, by digest
+        self._digests: dict[str, str] = {}  # data URI -> digest of the images this session has seen
         self.closed = False
         self.context_exhausted = False  # a request no longer fit rollout.max_length
         self.segments: list[Segment] = []  # closed segments
@@ -115,7 +116,7 @@ class Session:
             return chat
         if self.images is None:
             raise RequestError(400, "this endpoint takes no images", param="messages")
-        return dataclasses.replace(chat, messages=self.images.resolve(chat.messages, self._blobs))
+        return dataclasses.replace(chat, messages=self.images.resolve(chat.messages, self._blobs, self._digests))
 
     def _is_retry(self, chat: ChatRequest) -> bool:
         if self._last_reply is None:
