@@ -42,15 +42,15 @@ def test_image_references_are_read_or_refused_naming_the_part(tmp_path):
     blob = png("7")
     uri = data_uri(blob)
     assert uri.startswith("data:image/png;base64,") and load_image_bytes(uri, where="p", file_root=None) == blob
-    (tmp_path / "root").mkdir()
-    (tmp_path / "root" / "a.png").write_bytes(blob)
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "allowed" / "a.png").write_bytes(blob)
     (tmp_path / "outside.png").write_bytes(blob)
-    assert load_image_bytes(str(tmp_path / "root" / "a.png"), where="p", file_root=str(tmp_path / "root")) == blob
-    assert load_image_bytes(f"file://{tmp_path}/root/a.png", where="p", file_root=str(tmp_path / "root")) == blob
+    assert load_image_bytes(str(tmp_path / "allowed" / "a.png"), where="p", file_root=str(tmp_path / "allowed")) == blob
+    assert load_image_bytes(f"file://{tmp_path}/allowed/a.png", where="p", file_root=str(tmp_path / "allowed")) == blob
     with pytest.raises(ImageError, match="agent.image_root"):
-        load_image_bytes(str(tmp_path / "root" / "a.png"), where="p", file_root=None)
+        load_image_bytes(str(tmp_path / "allowed" / "a.png"), where="p", file_root=None)
     with pytest.raises(ImageError, match="outside agent.image_root"):
-        load_image_bytes(str(tmp_path / "root" / ".." / "outside.png"), where="p", file_root=str(tmp_path / "root"))
+        load_image_bytes(str(tmp_path / "allowed" / ".." / "outside.png"), where="p", file_root=str(tmp_path / "allowed"))
     with pytest.raises(ImageError, match="not fetched"):
         load_image_bytes("https://example.com/a.png", where="p", file_root=None)
     with pytest.raises(ImageError, match="does not decode"):
