@@ -133,7 +133,12 @@ def _restore_engine_weights(engine, model_dir, plan) -> None:
     """Put the original weights back for the other tests sharing this engine."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    send_weights_to_engine(engine, AutoModelForCausalLM.from_pretrained(model_dir))
+
+
+def send_weights_to_engine(engine, model) -> None:
+    """Refit a shared engine (an EngineThread) with `model`'s weights as version 0 (a test that
+    changed them puts the generated ones back)."""
     sender = RefitSender(model, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=60)
     port = sender.group_message("127.0.0.1", 2)["port"]
     joined = engine.submit(engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,

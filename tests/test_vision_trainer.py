@@ -259,6 +259,8 @@ def test_refit_from_two_fsdp_ranks_moves_the_engines_image_logprobs_to_the_train
     """The trainer's Idefics3 parameter names (the checkpoint's) load into vLLM's idefics3 as they
     are, vision tower included: after a refit of perturbed weights the engine scores an image
     prompt as the trainer does."""
+    from test_refit import send_weights_to_engine
+
     from molt.refit import RefitSender
 
     experience = experiences[2]  # two images
@@ -294,16 +296,7 @@ def test_refit_from_two_fsdp_ranks_moves_the_engines_image_logprobs_to_the_train
     assert max(abs(a - b) for a, b in zip(before[1:], trainer[1:])) > 1e-2, "the perturbation must show"
     assert max(abs(a - b) for a, b in zip(after[1:], trainer[1:])) <= 1e-4
 
-    # Put the generated weights back for the other tests sharing this engine.
-    sender = RefitSender(reference, is_sender=True, bucket_bytes=256 << 10, timeout_seconds=60)
-    port = sender.group_message("127.0.0.1", 2)["port"]
-    joined = vlm_engine.submit(vlm_engine.engine.join_refit_group(host="127.0.0.1", port=port, rank=1, world_size=2,
-                                                                  timeout_seconds=60, plan=sender.wire_plan))
-    sender.connect()
-    joined.result(60)
-    received = vlm_engine.submit(vlm_engine.engine.receive_weights(0))
-    sender.broadcast()
-    received.result(60)
+    send_weights_to_engine(vlm_engine, reference)  # the generated weights back, for the other tests sharing it
     assert engine_image_logprobs(vlm_engine, experience, image_token_id)[1] == pytest.approx(before, abs=1e-6)
 
 

@@ -49,8 +49,8 @@ def run_job(args, model_dir: Path, prompts: Path, out: Path) -> float:
             "rollout.n_samples_per_prompt": args.samples, "rollout.max_response_tokens": 4,
             "rollout.max_length": 1024, "refit.check_every_steps": 0, "eval.every_steps": 0,
             "algorithm.filter_groups": False, "algorithm.max_staleness": 0, "rollout.partial_rollout": False,
-            # The random tiny model samples the <image> token now and then (1 of its 360); a later
-            # image then makes vLLM's expansion differ from the processor's and that rollout fails.
+            # The random tiny model samples the <image> token now and then (1 of its 360), which fails
+            # the rollout (sampled_image_token): refill it.
             "agent.on_failed_rollout": "refill", "agent.max_refills_per_group": 2}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "molt.train", "--config", str(REPO_ROOT / "configs" / "demo.py")]
