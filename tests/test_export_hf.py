@@ -71,3 +71,23 @@ def test_an_exported_checkpoint_loads_in_transformers_and_vllm_and_scores_like_t
     finally:
         engine.close()
     assert max(abs(a - b) for a, b in zip(engine_logprobs[1:], trainer_logprobs[1:])) <= 1e-4
+
+
+def test_an_exported_vision_language_checkpoint_keeps_its_processor_and_scores_like_the_trainer(
+        tmp_path, tiny_vlm_path):
+    """A VLM checkpoint exports as image-text-to-text with its whole processor (image settings and chat
+    template), which `python -m molt.eval --checkpoint step_N` and vLLM need."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    trainer_logprobs = run_ranks(_train_and_save, 2, str(tiny_vlm_path), str(tmp_path / "ckpt"))[0]
+    out = _load_tool().export_hf(tmp_path / "ckpt" / "step_00000005", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Idefics3ForConditionalGeneration"]
+    processor = AutoProcessor.from_pretrained(out)
+    assert processor.image_processor.size == AutoProcessor.from_pretrained(tiny_vlm_path).image_processor.size
+    assert processor.chat_template
+
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    ids = torch.tensor([PROBE])
+    with torch.no_grad():
+        exported = compute_token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0].tolist()
+    assert max(abs(a - b) for a, b in zip(exported, trainer_logprobs)) <= 1e-5

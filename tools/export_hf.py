@@ -1,6 +1,6 @@
 """Turn a Molt checkpoint into a standard Hugging Face model directory (safetensors) that
-`transformers` and vLLM load: the actor's trained weights, the base model's config, tokenizer and
-generation config.
+`transformers` and vLLM load: the actor's trained weights, the base model's config, tokenizer (a
+vision-language model's whole processor) and generation config.
 
     python tools/export_hf.py CHECKPOINT OUT_DIR [--base MODEL_DIR]
 
@@ -26,7 +26,9 @@ from molt.checkpoint import COMPLETE  # noqa: E402
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, base: str | None = None) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    from molt.vision_language import auto_model_class, is_vision_language
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / COMPLETE).is_file():
@@ -34,7 +36,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base: str | None = No
     base = base or json.loads((checkpoint / "state.json").read_text()).get("model_path")
     if not base:
         raise SystemExit(f"{checkpoint} does not record its model.path; pass --base MODEL_DIR")
-    model = AutoModelForCausalLM.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base)
+    model = auto_model_class(config).from_pretrained(base)
     saved = FileSystemReader(str(checkpoint / "model")).read_metadata().state_dict_metadata
     # Tied weights appear once in the checkpoint; the model's other name for them shares the tensor.
     wanted = {name: tensor for name, tensor in model.state_dict().items() if f"actor.model.{name}" in saved}
@@ -45,7 +48,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, base: str | None = No
     dcp.load({"actor": {"model": wanted}}, checkpoint_id=str(checkpoint / "model"), no_dist=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
+    # A vision-language model's processor (image settings, chat template) goes with it, as vLLM needs it.
+    (AutoProcessor if is_vision_language(config) else AutoTokenizer).from_pretrained(base).save_pretrained(out_dir)
     return out_dir
 
 
