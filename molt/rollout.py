@@ -43,7 +43,6 @@ RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this lo
 def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
-    logger.info("TIMING-TMP rollout: asyncio.run returned")
 
 
 class RolloutService:
@@ -88,23 +87,17 @@ class RolloutService:
                     continue
                 self.spawn_task(self.guarded(handler, message))
         finally:
-            logger.info("TIMING-TMP rollout: shutdown received")
             for task in self.tasks:
                 task.cancel()
             await self.workers.close()
-            logger.info("TIMING-TMP rollout: workers closed")
             if self.endpoint is not None:
                 await self.endpoint.stop()
-            logger.info("TIMING-TMP rollout: endpoint stopped")
             self.engine.shutdown()
-            logger.info("TIMING-TMP rollout: engine shut down")
             self.payloads.close()
-            logger.info("TIMING-TMP rollout: payloads closed")
             # The controller waits for this before its rank exits (RolloutController.shutdown);
             # the linger gives the message time to leave.
             await self.send({"type": "stopped", "rank": self.rank})
             self.socket.close(linger=2000)
-            logger.info("TIMING-TMP rollout: socket closed")
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast
