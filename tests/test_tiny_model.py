@@ -212,3 +212,22 @@ def test_vlm_preset_keeps_text_chat_and_is_deterministic(tmp_path, tiny_vlm_path
     for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
                  "processor_config.json"]:
         assert (again / name).read_bytes() == (tiny_vlm_path / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe", "vlm"])
+def test_every_normalisation_layer_starts_as_the_identity(tmp_path, preset):
+    """RMSNorm and LayerNorm weights at one, LayerNorm biases at zero, found by module type: the vlm
+    preset's vision LayerNorms (layer_norm1/2) once drew random N(0, 0.02^2) weights, which shrank
+    the tower's activations ~50x; the warm-started model then lost its accuracy within 25 RL steps."""
+    from transformers import AutoModelForImageTextToText
+
+    out_dir = make_tiny_model.make_tiny_model(tmp_path / preset, preset=preset)
+    auto_class = AutoModelForImageTextToText if preset == "vlm" else AutoModelForCausalLM
+    model = auto_class.from_pretrained(out_dir)
+    norms = {name: module for name, module in model.named_modules()
+             if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")}
+    assert len(norms) >= 5 + 4 * (preset == "vlm")  # 2 per decoder layer and the final one; the vision tower's 5
+    for name, module in norms.items():
+        assert torch.equal(module.weight, torch.ones_like(module.weight)), name
+        if getattr(module, "bias", None) is not None:
+            assert torch.equal(module.bias, torch.zeros_like(module.bias)), name

@@ -347,19 +347,21 @@ def build_state_dict(config: Qwen3Config | Qwen3MoeConfig | Idefics3Config, seed
     generator = torch.Generator().manual_seed(seed)
     state_dict = {}
     for name in sorted(shapes):
-        if name.endswith("norm.weight"):
+        if _is_norm(name, "weight"):
             state_dict[name] = torch.ones(shapes[name], dtype=torch.float32)
-        elif _is_norm_bias(name):
+        elif _is_norm(name, "bias"):
             state_dict[name] = torch.zeros(shapes[name], dtype=torch.float32)
         else:
             state_dict[name] = torch.randn(shapes[name], generator=generator) * INIT_STD
     return state_dict
 
 
-def _is_norm_bias(name: str) -> bool:
-    """The bias of a LayerNorm (the vision tower's layer_norm1/2, post_layernorm)."""
-    module, _, leaf = name.rpartition(".")
-    return leaf == "bias" and "norm" in module.rpartition(".")[2]
+def _is_norm(name: str, leaf: str) -> bool:
+    """Whether `name` is the `leaf` ("weight" or "bias") of a normalisation layer: the RMSNorms
+    (input_layernorm, q_norm, norm, ...) and the vision tower's LayerNorms (layer_norm1/2,
+    post_layernorm)."""
+    module, _, last = name.rpartition(".")
+    return last == leaf and "norm" in module.rpartition(".")[2]
 
 
 def _checkpoint_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
