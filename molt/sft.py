@@ -253,11 +253,24 @@ def sft_output_dir(cfg: MoltConfig) -> Path:
 def sft_settings(cfg: MoltConfig) -> dict:
     """What the trained model depends on, as recorded in sft.json: an output directory holding a
     model trained with equal settings is up to date (the demo's launchers rely on this)."""
-    settings = {"base_model": cfg.model.path, "model_dtype": cfg.model.dtype, "seed": cfg.seed, "device": cfg.device,
+    settings = {"base_model": cfg.model.path, "base_model_files": model_files_stamp(cfg.model.path),
+                "model_dtype": cfg.model.dtype, "seed": cfg.seed, "device": cfg.device,
                 "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "output_dir"},
                 "train": {name: getattr(cfg.train, name) for name in SFT_TRAIN_FIELDS},
                 "router_aux_loss_coef": cfg.algorithm.router_aux_loss_coef}
     return json.loads(json.dumps(settings))  # tuples as lists, as read back from the file
+
+
+def model_files_stamp(model_dir: str) -> dict[str, list[int]]:
+    """Size and modification time of a model directory's config and weight files: a base model
+    rewritten in place (a regenerated tiny model) makes an earlier warm start from it out of date,
+    without reading the weights (which may be tens of GB)."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        return {}
+    files = sorted(p for p in directory.iterdir()
+                   if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt"))
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
 def is_up_to_date(cfg: MoltConfig) -> bool:

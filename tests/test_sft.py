@@ -111,6 +111,22 @@ def test_settings_ignore_rl_fields_but_not_sft_ones():
     assert sft_settings(cfg) != base
 
 
+def test_settings_change_when_the_base_model_is_rewritten_in_place(tmp_path):
+    """A warm start from a regenerated base model (same path, new weights) is out of date."""
+    import os
+
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"0" * 8)
+    cfg = MoltConfig()
+    cfg.model.path = str(tmp_path)
+    before = sft_settings(cfg)
+    assert sft_settings(cfg) == before
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert sft_settings(cfg) != before
+
+
 def _one_step(rank: int, world_size: int, model_dir: str, rows: list[dict], packing: bool) -> dict:
     import torch.distributed as dist
 
