@@ -30,13 +30,20 @@ if [[ "${MOLT_DEMO_RECIPE:-}" == *:moe* ]]; then
   fi
   "$PYTHON" -m molt.sft --config configs/demo.py:sft_moe
 fi
-# The vision recipe (configs/demo.py:vision): the tiny Idefics3, the sums drawn as images, and its warm start.
+# The vision recipe (configs/demo.py:vision): the tiny Idefics3, the sums drawn as images, and its
+# two-part warm start (reading the digits, then unsure sums). A model from an older generator (no
+# marker: its vision LayerNorms started random) and data from before the equation labels are redone;
+# molt.sft then redoes the warm starts built on them (it records its base model's and data's files).
 if [[ "${MOLT_DEMO_RECIPE:-}" == *:vision* ]]; then
-  if [ ! -f "$DEMO/model-vlm/config.json" ]; then
+  VLM_VERSION="vlm-2: vision LayerNorms at one"
+  if [ ! -f "$DEMO/model-vlm/config.json" ] || ! grep -qsxF "$VLM_VERSION" "$DEMO/model-vlm/generator.txt"; then
+    rm -rf "${DEMO:?}/model-vlm"
     "$PYTHON" tools/make_tiny_model.py "$DEMO/model-vlm" --preset vlm --seed 0
+    echo "$VLM_VERSION" > "$DEMO/model-vlm/generator.txt"
   fi
-  if [ ! -f "$DEMO/data-vision/sft.jsonl" ]; then
+  if ! grep -qs '"label": "equation"' "$DEMO/data-vision/settings.json"; then
     "$PYTHON" tools/make_vision_data.py "$DEMO/data-vision" --seed 0
   fi
   "$PYTHON" -m molt.sft --config configs/demo.py:sft_vision
+  "$PYTHON" -m molt.sft --config configs/demo.py:sft_vision_unsure
 fi

@@ -87,6 +87,9 @@ class StepRollouts:
     dropped_rollouts: Counter = field(default_factory=Counter)  # rollouts not trained on, by DROP_REASONS
     trained_version: int = 0  # the policy version this step's update starts from
     accounting: dict[str, float] = field(default_factory=dict)  # run totals after this step (metrics)
+    # The reward of every rollout of the step's complete groups, trained or dropped (filtered, stale):
+    # what the policy earns, where reward/mean covers only the groups trained on.
+    scored_rewards: list[float] = field(default_factory=list)
     trained_prompts: list[int] = field(default_factory=list)  # prompt-file index of each group in `groups`
     dropped_prompts: list[int] = field(default_factory=list)  # ... of each group released but dropped
     # The rollout ranks' payload-store, process and engine metrics, summed:
@@ -108,6 +111,7 @@ class StepRollouts:
         self.stale_groups += later.stale_groups
         self.consumed_rollouts += later.consumed_rollouts
         self.dropped_rollouts.update(later.dropped_rollouts)
+        self.scored_rewards += later.scored_rewards
         self.trained_prompts += later.trained_prompts
         self.dropped_prompts += later.dropped_prompts
 
@@ -468,6 +472,7 @@ class RolloutController:
         self.engine_router.forget_group(group.group_id)
         part = gather_groups(group.outcomes, {group.group_id: group.size})
         part.refilled_rollouts = group.num_refills
+        part.scored_rewards = list({e.rollout_id: e.reward for g in part.groups for e in g}.values())
         num_good = sum(not outcome.failure for outcome in group.outcomes)
         part.dropped_rollouts["failed"] = len(group.outcomes) - num_good
         if part.dropped_groups:

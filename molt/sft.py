@@ -254,6 +254,7 @@ def sft_settings(cfg: MoltConfig) -> dict:
     """What the trained model depends on, as recorded in sft.json: an output directory holding a
     model trained with equal settings is up to date (the demo's launchers rely on this)."""
     settings = {"base_model": cfg.model.path, "base_model_files": model_files_stamp(cfg.model.path),
+                "data_file": file_stamp(cfg.sft.data_path),
                 "model_dtype": cfg.model.dtype, "seed": cfg.seed, "device": cfg.device,
                 "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "output_dir"},
                 "train": {name: getattr(cfg.train, name) for name in SFT_TRAIN_FIELDS},
@@ -270,7 +271,16 @@ def model_files_stamp(model_dir: str) -> dict[str, list[int]]:
         return {}
     files = sorted(p for p in directory.iterdir()
                    if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".pt"))
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    return {p.name: file_stamp(p) for p in files}
+
+
+def file_stamp(path: str | Path) -> list[int]:
+    """[size, modification time in ns] of a file; [] when there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def is_up_to_date(cfg: MoltConfig) -> bool:

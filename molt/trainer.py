@@ -473,6 +473,8 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
     response_lengths = [e.num_action_tokens for e in experiences]
     metrics = {
         "reward/mean": statistics.fmean(rewards.values()) if rewards else math.nan,
+        # With algorithm.filter_groups (or staleness drops), reward/mean covers the trained groups only.
+        "reward/scored_mean": statistics.fmean(rollouts.scored_rewards) if rollouts.scored_rewards else math.nan,
         "rollout/num_rollouts": float(rollouts.num_rollouts),
         "rollout/num_groups": float(len(rollouts.groups)),
         "rollout/dropped_groups": float(rollouts.dropped_groups),

@@ -260,6 +260,8 @@ def test_backfill_stops_at_the_cap_and_the_step_trains_on_fewer_groups(tmp_path,
     assert step.backfill_prompts == cap and _dispatched_rows(received) == list(range(3 + cap))
     assert step.filtered_groups == Counter(all_high=1 + cap, all_low=1)
     assert f"step keeps 1 of 3 groups: algorithm.max_backfill_prompts={cap}" in caplog.text
+    # Every rollout scored counts in the step's scored rewards, the filtered groups' too.
+    assert sorted(step.scored_rewards) == sorted([1.0, 1.0, 0.0, 0.0, 0.0, 1.0] + [1.0, 1.0] * cap)
 
 
 def test_a_group_dropped_for_failed_rollouts_is_backfilled_too(tmp_path):

@@ -34,7 +34,7 @@ def test_rows_show_the_sum_their_label_holds(tmp_path, images):
         assert len(rows) == num_rows
         for row in rows:
             a, b = row["metadata"]["a"], row["metadata"]["b"]
-            assert row["label"] == str(a + b)
+            assert row["label"] == f"{a}+{b}={a + b}"
             image_part, text_part = row["messages"][0]["content"]
             assert image_part["type"] == "image_url" and text_part == {"type": "text", "text": make_vision_data.QUESTION}
             image = decode_image(row, out)
@@ -77,3 +77,21 @@ def test_files_layout_writes_each_image_once(tmp_path):
     assert len(list((out / "images").glob("*.png"))) == 100
     with pytest.raises(ValueError, match="unknown images layout 'inline'"):
         make_vision_data.make_vision_data(tmp_path, images="inline")
+
+
+def test_warm_start_rows_reply_with_the_equation_and_the_unsure_ones_miss_by_one_or_two(tmp_path):
+    out = make_vision_data.make_vision_data(tmp_path, num_train=2000, num_eval=5)
+    prompts = read_rows(out / "train.jsonl")
+    sure, unsure = read_rows(out / "sft.jsonl"), read_rows(out / "sft_unsure.jsonl")
+    assert len(sure) == len(unsure) == len(prompts)
+    right = 0
+    for prompt, sure_row, unsure_row in zip(prompts, sure, unsure):
+        a, b = prompt["metadata"]["a"], prompt["metadata"]["b"]
+        assert sure_row["messages"] == prompt["messages"] + [{"role": "assistant", "content": prompt["label"]}]
+        assert unsure_row["messages"][:-1] == prompt["messages"]
+        digits, _, result = unsure_row["messages"][-1]["content"].partition("=")
+        assert digits == f"{a}+{b}"  # the digits are always read right
+        assert int(result) >= 0 and abs(int(result) - (a + b)) <= 2
+        right += int(result) == a + b
+    assert abs(right / len(prompts) - make_vision_data.UNSURE_SHARE) < 0.04
+    assert json.loads((out / "settings.json").read_text())["label"] == "equation"

@@ -22,3 +22,13 @@ def test_a_run_without_eval_prints_one_line_and_one_without_rewards_stops():
     assert len(run_summary.summarize("demo", [{"step": 1, "reward/mean": 0.5}], 1.0)) == 1
     with pytest.raises(SystemExit, match=r"\[demo\] no step had a reward"):
         run_summary.summarize("demo", [{"step": 0, "eval/step": 0.0, "eval/avg@4": 0.1}], 1.0)
+
+
+def test_with_group_filtering_the_summary_adds_the_reward_of_every_rollout():
+    rows = [{"step": step, "reward/mean": 0.5, "reward/scored_mean": step / 20, "rollout/filtered_all_high": 1.0}
+            for step in range(1, 21)]
+    lines = run_summary.summarize("demo", rows, 1.0)
+    assert lines[1] == "[demo] reward of every rollout (filtered groups too) first 10 steps 0.275 -> last 10 steps " \
+                       "0.775 (rise +0.500)"
+    # Without filtering the two rewards are the same number: one line.
+    assert len(run_summary.summarize("demo", [{"step": 1, "reward/mean": 0.5, "reward/scored_mean": 0.5}], 1.0)) == 1

@@ -111,8 +111,8 @@ def test_settings_ignore_rl_fields_but_not_sft_ones():
     assert sft_settings(cfg) != base
 
 
-def test_settings_change_when_the_base_model_is_rewritten_in_place(tmp_path):
-    """A warm start from a regenerated base model (same path, new weights) is out of date."""
+def test_settings_change_when_the_base_model_or_the_data_is_rewritten_in_place(tmp_path):
+    """A warm start from a regenerated base model or data file (same path, new contents) is out of date."""
     import os
 
     (tmp_path / "config.json").write_text("{}")
@@ -124,6 +124,13 @@ def test_settings_change_when_the_base_model_is_rewritten_in_place(tmp_path):
     assert sft_settings(cfg) == before
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert sft_settings(cfg) != before
+    # So is one from a data file rewritten in place.
+    data = tmp_path / "rows.jsonl"
+    data.write_text("{}\n")
+    cfg.sft.data_path = str(data)
+    before = sft_settings(cfg)
+    data.write_text("{}\n{}\n")
     assert sft_settings(cfg) != before
 
 

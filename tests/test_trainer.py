@@ -12,8 +12,11 @@ def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():
                               policy_versions=[-1, 0], reward=float(i % 2), score=float(i % 2), group_id=0,
                               rollout_id=i) for i in range(2)]
     rollouts = StepRollouts(groups=[experiences], num_rollouts=10,
-                            filtered_groups=Counter(all_high=3, all_low=1), backfill_prompts=4)
+                            filtered_groups=Counter(all_high=3, all_low=1), backfill_prompts=4,
+                            scored_rewards=[0.0, 1.0] + [1.0] * 6 + [0.0] * 2)
     metrics = _rollout_metrics(rollouts, experiences)
+    # reward/mean is the trained groups'; reward/scored_mean counts the filtered groups' rollouts too.
+    assert (metrics["reward/mean"], metrics["reward/scored_mean"]) == (0.5, 0.7)
     assert (metrics["rollout/filtered_all_high"], metrics["rollout/filtered_all_low"]) == (3.0, 1.0)
     assert metrics["rollout/backfill_prompts"] == 4.0
     quiet = _rollout_metrics(StepRollouts(groups=[experiences], num_rollouts=2), experiences)

@@ -1,7 +1,7 @@
 """Write the vision demo task, the one-digit sum "a+b" drawn as an image, as chat-format prompt rows.
 
 Each row is {"messages": [{"role": "user", "content": [IMAGE_PART, {"type": "text", "text":
-QUESTION}]}], "label": "8", "metadata": {...}}, IMAGE_PART being an OpenAI content part
+QUESTION}]}], "label": "3+5=8", "metadata": {...}}, IMAGE_PART being an OpenAI content part
 {"type": "image_url", "image_url": {"url": ...}}, so a ChatAgent hands the row's messages to the
 OpenAI SDK as they are. The image is a 128x64 black-on-white PNG of "a+b" in Pillow's built-in
 font, drawn without anti-aliasing (the same bytes on every machine with the same Pillow). 128x64
@@ -31,7 +31,12 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-QUESTION = "What is the sum? Answer with the number."
+QUESTION = "Write the sum shown and its result, as in 3+4=7."
+# The warm start's second file, sft_unsure.jsonl: the digits always right, the result right in this
+# share of rows and a near miss (1 or 2 off) in the rest, so the model it trains reads the image
+# and knows roughly what each sum is, but is unsure of it (configs/demo.py:sft_vision_unsure).
+UNSURE_SHARE = 0.4
+NEAR_MISSES = (-2, -1, 1, 2)
 IMAGE_WIDTH, IMAGE_HEIGHT = 128, 64
 FONT_SIZE = 48  # digits ~32 px tall: each is most of a 32x32 region (one image token's 2x2 patches)
 EVAL_LAYOUT = "each of the 100 problems once, in a seeded order"
@@ -65,7 +70,7 @@ def build_row(a: int, b: int, url: str, *, split: str, index: int) -> dict:
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     return {
         "messages": [{"role": "user", "content": content}],
-        "label": str(a + b),
+        "label": equation(a, b, a + b),
         "metadata": {"split": split, "index": index, "a": a, "b": b},
     }
 
@@ -78,7 +83,8 @@ def make_vision_data(
     seed: int = 0,
     images: str = "embed",
 ) -> Path:
-    """Write train.jsonl, eval.jsonl and sft.jsonl (the training rows with the reply "a+b=s") (and
+    """Write train.jsonl, eval.jsonl, sft.jsonl (the training rows with the reply "a+b=s") and
+    sft_unsure.jsonl (the same with near misses: UNSURE_SHARE) (and
     images/ for `images="files"`) to `out_dir`; return it."""
     if images not in IMAGE_LAYOUTS:
         raise ValueError(f"unknown images layout {images!r}; choose one of {list(IMAGE_LAYOUTS)}")
@@ -99,18 +105,41 @@ def make_vision_data(
                 else:
                     url = "data:image/png;base64," + base64.b64encode(pngs[(a, b)]).decode()
                 f.write(json.dumps(build_row(a, b, url, split=split, index=index)) + "\n")
-    # The warm start's rows (configs/demo.py:sft_vision): the training rows with the reply restating
-    # the digits, "a+b=s", which gives the vision tower its own signal on the digit tokens.
-    with open(out_dir / "train.jsonl") as rows, open(out_dir / "sft.jsonl", "w") as f:
+    # The warm start's rows: the training rows with the reply, "a+b=s" (configs/demo.py:sft_vision;
+    # the digit tokens give the vision tower its own signal), and the same rows with the result
+    # right in UNSURE_SHARE of them and a near miss in the rest (sft_vision_unsure).
+    near_misses = random.Random(f"unsure:{seed}")
+    with (open(out_dir / "train.jsonl") as rows, open(out_dir / "sft.jsonl", "w") as sure,
+          open(out_dir / "sft_unsure.jsonl", "w") as unsure):
         for line in rows:
             row = json.loads(line)
             a, b = row["metadata"]["a"], row["metadata"]["b"]
-            row["messages"].append({"role": "assistant", "content": f"{a}+{b}={a + b}"})
-            f.write(json.dumps(row) + "\n")
-    settings = {"seed": seed, "num_train": num_train, "num_eval": num_eval, "eval": EVAL_LAYOUT,
+            sure.write(json.dumps(with_reply(row, equation(a, b, a + b))) + "\n")
+            unsure.write(json.dumps(with_reply(row, equation(a, b, unsure_result(a + b, near_misses)))) + "\n")
+    settings = {"seed": seed, "num_train": num_train, "num_eval": num_eval, "eval": EVAL_LAYOUT, "label": "equation",
+                "unsure_share": UNSURE_SHARE,
                 "images": images, "image_size": [IMAGE_WIDTH, IMAGE_HEIGHT], "font_size": FONT_SIZE}
     (out_dir / "settings.json").write_text(json.dumps(settings) + "\n")
     return out_dir
+
+
+def equation(a: int, b: int, result: int) -> str:
+    """The reply the task asks for, and a row's label: "a+b=result"."""
+    return f"{a}+{b}={result}"
+
+
+def unsure_result(total: int, rng: random.Random) -> int:
+    """The result a row of sft_unsure.jsonl shows: `total` in UNSURE_SHARE of draws, else a near
+    miss (never negative: 0-2 becomes 0+2)."""
+    if rng.random() < UNSURE_SHARE:
+        return total
+    miss = total + rng.choice(NEAR_MISSES)
+    return miss if miss >= 0 else 2 * total - miss
+
+
+def with_reply(row: dict, reply: str) -> dict:
+    """A copy of a prompt row with an assistant turn holding `reply` (a chat row for molt.sft)."""
+    return {**row, "messages": row["messages"] + [{"role": "assistant", "content": reply}]}
 
 
 def image_file(a: int, b: int) -> str:

@@ -1,5 +1,6 @@
-"""Print what a run's metrics.jsonl says in two lines: the steps, the wall time since `started`,
-reward/mean over the first and last 10 steps, and the held-out curve (eval/avg@k by step) when the
+"""Print what a run's metrics.jsonl says in a few lines: the steps, the wall time since `started`,
+reward/mean over the first and last 10 steps (and, when group filtering dropped groups, the reward
+of every rollout scored, reward/scored_mean), and the held-out curve (eval/avg@k by step) when the
 run evaluated. The demo launchers call it after training.
 
     python tools/run_summary.py LABEL METRICS_JSONL STARTED_EPOCH_SECONDS
@@ -20,6 +21,12 @@ def summarize(label: str, rows: list[dict], seconds: float) -> list[str]:
     first, last = fmean(rewards[:10]), fmean(rewards[-10:])
     lines = [f"[{label}] {len(rewards)} steps in {seconds:.0f}s (after set-up); reward/mean first 10 steps "
              f"{first:.3f} -> last 10 steps {last:.3f} (rise {last - first:+.3f})"]
+    scored = [r["reward/scored_mean"] for r in rows if r.get("step", 0) >= 1 and r.get("reward/scored_mean") is not None]
+    if scored and any(key.startswith("rollout/filtered_") for r in rows for key in r):
+        # Group filtering trains on the groups with signal only; this is what the policy earned.
+        first, last = fmean(scored[:10]), fmean(scored[-10:])
+        lines.append(f"[{label}] reward of every rollout (filtered groups too) first 10 steps {first:.3f} -> "
+                     f"last 10 steps {last:.3f} (rise {last - first:+.3f})")
     evals = [(r["eval/step"], key, r[key]) for r in rows if "eval/step" in r for key in r if key.startswith("eval/avg@")]
     if evals:  # every point, so the curve reads in the terminal
         lines.append(f"[{label}] held-out {evals[0][1]} by step: "
