@@ -187,8 +187,13 @@ def vision() -> MoltConfig:
     cfg.eval.data_path = str(data / "eval.jsonl")
     cfg.agent.path = str(HERE / "agents" / "vision_sum_openai.py")
     cfg.rollout.max_response_tokens = 8  # "a+b=s" and the end of turn
-    cfg.rollout.max_length = 128  # the 48-token prompt (12 image tokens) and the reply
-    cfg.train.num_steps = 150
+    cfg.rollout.max_length = 128  # the 61-token prompt (12 image tokens) and the reply
+    # 8 samples a prompt and at most 8 backfill prompts a step: rollouts through the SDK are most of
+    # a step here (~100 a second on 2 cores), and once most groups are solved, backfilling up to the
+    # demo's 32 prompts made steps 1.5x longer; this fits 250 steps in ~9 minutes.
+    cfg.rollout.n_samples_per_prompt = 8
+    cfg.algorithm.max_backfill_prompts = 8
+    cfg.train.num_steps = 250
     return cfg
 
 
@@ -200,24 +205,27 @@ VISION_LR_MULTIPLIERS = {"model.vision_model.": 3.0, "model.connector.": 3.0}
 
 
 def sft_vision() -> MoltConfig:
-    """vision()'s warm start, first part, `python -m molt.sft --config configs/demo.py:sft_vision`: 525
-    steps of 64 image rows with the reply "a+b=s" (the digit tokens train the vision tower directly),
-    at 3e-3 with a cosine decay, the vision tower and connector at 3x. It reads the digits and knows
-    most sums: too sure for RL to show anything (docs/images.md)."""
+    """vision()'s warm start, first part, `python -m molt.sft --config configs/demo.py:sft_vision`:
+    1200 steps of 64 image rows with the reply "a+b=s" (the digit tokens train the vision tower
+    directly), at 3e-3 with a cosine decay, the vision tower and connector at 3x; ~6 min on one core.
+    The loss sits on a plateau (~1.1: digits at chance) until the vision tower starts telling them
+    apart, after 150 to 550+ steps depending on the schedule and the prompt text, so the run is long
+    enough to get past it and learn the sums (docs/images.md). Its model reads the digits and knows
+    most sums: too sure for RL to show much."""
     cfg = sft()
     cfg.name = "demo-sft-vision"
     data = cache_dir() / "demo" / "data-vision"
     cfg.model.path = str(cache_dir() / "demo" / "model-vlm")
     cfg.sft.data_path = str(data / "sft.jsonl")
     cfg.sft.output_dir = str(cache_dir() / "demo" / "model-vlm-read")
-    cfg.sft.num_steps = 525
+    cfg.sft.num_steps = 1200
     cfg.train.learning_rate = 3e-3
     cfg.train.lr_multipliers = dict(VISION_LR_MULTIPLIERS)
     return cfg
 
 
 def sft_vision_unsure() -> MoltConfig:
-    """The warm start's second part, from sft_vision()'s model: 150 steps at 1e-3 on the same rows
+    """The warm start's second part, from sft_vision()'s model: 400 steps at 1e-3 on the same rows
     whose result is right in 40% of them and 1 or 2 off in the rest (sft_unsure.jsonl). The policy
     keeps reading the digits but is unsure of each sum, as the text demo's short warm start leaves it;
     RL then finds which of its candidates the reward pays."""
@@ -226,6 +234,6 @@ def sft_vision_unsure() -> MoltConfig:
     cfg.model.path = str(cache_dir() / "demo" / "model-vlm-read")
     cfg.sft.data_path = str(cache_dir() / "demo" / "data-vision" / "sft_unsure.jsonl")
     cfg.sft.output_dir = str(cache_dir() / "demo" / "model-vlm-warm")
-    cfg.sft.num_steps = 150
+    cfg.sft.num_steps = 400
     cfg.train.learning_rate = 1e-3
     return cfg

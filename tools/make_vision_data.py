@@ -31,7 +31,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-QUESTION = "Write the sum shown and its result, as in 3+4=7."
+QUESTION = "Write out the sum shown, with its result."
 # The warm start's second file, sft_unsure.jsonl: the digits always right, the result right in this
 # share of rows and a near miss (1 or 2 off) in the rest, so the model it trains reads the image
 # and knows roughly what each sum is, but is unsure of it (configs/demo.py:sft_vision_unsure).
