@@ -14,19 +14,26 @@ import time
 from statistics import fmean
 
 
+def step_values(rows: list[dict], key: str) -> list[float]:
+    """`key` of every training step (step >= 1) that logged it, in order."""
+    return [r[key] for r in rows if r.get("step", 0) >= 1 and r.get(key) is not None]
+
+
+def rise(values: list[float]) -> str:
+    """The mean of the first 10 values against the last 10's."""
+    first, last = fmean(values[:10]), fmean(values[-10:])
+    return f"first 10 steps {first:.3f} -> last 10 steps {last:.3f} (rise {last - first:+.3f})"
+
+
 def summarize(label: str, rows: list[dict], seconds: float) -> list[str]:
-    rewards = [r["reward/mean"] for r in rows if r.get("step", 0) >= 1 and r.get("reward/mean") is not None]
+    rewards = step_values(rows, "reward/mean")
     if not rewards:
         raise SystemExit(f"[{label}] no step had a reward (every rollout failed?): see rollout/failed_* in metrics.jsonl")
-    first, last = fmean(rewards[:10]), fmean(rewards[-10:])
-    lines = [f"[{label}] {len(rewards)} steps in {seconds:.0f}s (after set-up); reward/mean first 10 steps "
-             f"{first:.3f} -> last 10 steps {last:.3f} (rise {last - first:+.3f})"]
-    scored = [r["reward/scored_mean"] for r in rows if r.get("step", 0) >= 1 and r.get("reward/scored_mean") is not None]
+    lines = [f"[{label}] {len(rewards)} steps in {seconds:.0f}s (after set-up); reward/mean {rise(rewards)}"]
+    scored = step_values(rows, "reward/scored_mean")
     if scored and any(key.startswith("rollout/filtered_") for r in rows for key in r):
         # Group filtering trains on the groups with signal only; this is what the policy earned.
-        first, last = fmean(scored[:10]), fmean(scored[-10:])
-        lines.append(f"[{label}] reward of every rollout (filtered groups too) first 10 steps {first:.3f} -> "
-                     f"last 10 steps {last:.3f} (rise {last - first:+.3f})")
+        lines.append(f"[{label}] reward of every rollout (filtered groups too) {rise(scored)}")
     evals = [(r["eval/step"], key, r[key]) for r in rows if "eval/step" in r for key in r if key.startswith("eval/avg@")]
     if evals:  # every point, so the curve reads in the terminal
         lines.append(f"[{label}] held-out {evals[0][1]} by step: "
