@@ -119,12 +119,20 @@ class AgentWorkerPool:
     async def wait_ready(self) -> None:
         await self._wait_until(lambda: all(w.ready for w in self.workers), "get ready")
 
-    async def close(self) -> None:
-        """Ask every worker to exit, kill those still running after a few seconds, and reap them."""
+    async def request_stop(self) -> None:
+        """Ask every worker to exit, without waiting: the rank stops its engine meanwhile (each takes
+        seconds, mostly the interpreter's own exit) and then calls `close`."""
+        if self.closing:
+            return
         self.closing = True
         for worker in self.workers:
             if worker.alive:
                 await self._send(worker, {"type": "shutdown"})
+
+    async def close(self) -> None:
+        """Ask every worker to exit (unless `request_stop` has), kill those still running after a few
+        seconds, and reap them."""
+        await self.request_stop()
         deadline = time.monotonic() + 5.0
         while any(w.process.is_alive() for w in self.workers) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -87,17 +87,20 @@ class RolloutService:
                     continue
                 self.spawn_task(self.guarded(handler, message))
         finally:
+            self.lag.stop()  # stopping the engine blocks this loop: not a lag to warn about
             for task in self.tasks:
                 task.cancel()
-            await self.workers.close()
+            await self.workers.request_stop()  # they exit while the engine stops
             if self.endpoint is not None:
                 await self.endpoint.stop()
             self.engine.shutdown()
+            await self.workers.close()
             self.payloads.close()
-            # The controller waits for this before its rank exits (RolloutController.shutdown);
-            # the linger gives the message time to leave.
+            # The controller waits for this before its rank exits (RolloutController.shutdown).
+            # Ending the context waits (up to the linger) until the message has left: this process
+            # exits right after, without a teardown that would give ZeroMQ's thread time to send it.
             await self.send({"type": "stopped", "rank": self.rank})
-            self.socket.close(linger=2000)
+            self.socket.context.destroy(linger=2000)
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast

@@ -381,5 +381,30 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     return 0
 
 
+class FastExit:
+    """Ends a rank that succeeded once its exit handlers have run, without Python's teardown after
+    them: that frees, one by one, every object torch, vLLM and transformers made (~2 s a rank on a
+    small CPU, at the end of every job) for memory the OS takes back anyway. Registered before any
+    other exit handler, so that all of them (multiprocessing's, weakref finalizers, W&B's...) run
+    first. A rank that failed, or raised, ends the usual way: its last messages to other ranks are
+    sent without waiting, and the teardown gives them time to leave."""
+
+    def __init__(self):
+        self.code: int | None = None
+
+    def __call__(self) -> None:
+        if self.code != 0:
+            return
+        logging.shutdown()  # registered before this handler, so it would run after it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    import atexit
+
+    fast_exit = FastExit()
+    atexit.register(fast_exit)
+    fast_exit.code = main()
+    sys.exit(fast_exit.code)
