@@ -17,13 +17,11 @@ args}, cancel {call_id}. Rank -> worker: rollout {request}, reply {call_id, resu
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import itertools
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 import zmq
@@ -36,6 +34,7 @@ from molt.agents.tls import share_default_tls_context
 from molt.engine import Generation
 from molt.experience import Experience, Segment
 from molt.images import ImageInputs
+from molt.lifetime import exit_with_parent
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import configure_logging
 from molt.routes import decode_routes, encode_routes
@@ -198,17 +197,8 @@ def run_agent_worker(settings: WorkerSettings) -> None:
     configure_logging(settings.rank)
     # Ctrl-C reaches the whole process group; the rank decides what happens, and its workers go with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent(settings.parent_pid)
+    exit_with_parent(settings.parent_pid)  # no orphans, however the rank exits
     asyncio.run(AgentWorker(settings).serve())
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """No orphans: on Linux the kernel kills this worker when its rank exits, however the rank exits."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the rank died before the request above took effect
-        os._exit(1)
 
 
 class AgentWorker:

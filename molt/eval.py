@@ -27,7 +27,11 @@ from pathlib import Path
 from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
 from molt.dataset import PromptRow, load_prompt_rows
 from molt.evaluation import EvalSample, build_eval_requests, compute_eval_metrics, sample_from_outcome, split_eval_rows
+from molt.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
+
+if __name__ == "__mp_main__":  # a process this command spawned (its engine core, an agent worker): it dies with it
+    die_with_owner()
 
 logger = logging.getLogger("molt")
 
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="write the metrics and every sample's record to this JSON file")
     args = parser.parse_args(argv)
     configure_logging(0)
+    mark_owner()  # what this process spawns (engine core, agent workers) dies with it, even on SIGKILL
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the metrics' JSON
     try:

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING
 
 from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, config_warnings, load_config,
                          validate_config)
+from molt.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
+
+if __name__ == "__mp_main__":  # a process a rank spawned (its engine core, an agent worker): it dies with the rank
+    die_with_owner()
 
 # torch is imported inside the functions that use it: agent worker processes, started with
 # multiprocessing's spawn, re-import this module (as __mp_main__) and have no use for it.
@@ -230,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     configure_logging(rank)
+    mark_owner()  # what this rank spawns (engine core, agent workers) dies with it, even on SIGKILL
     launched = "MASTER_ADDR" in os.environ
     try:
         cfg = load_config(args.config, args.set)

@@ -1,8 +1,10 @@
 """Checkpoint and resume of the whole pipeline, end to end: real torchrun jobs killed with SIGKILL
 mid-run and resumed with checkpoint.resume=auto (RELIABILITY 13-16)."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import DEMO, ROOT, _job_sets, _kill_tree, _torchrun
+from test_train_e2e import DEMO, ROOT, _alive, _descendants, _job_sets, _torchrun
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
@@ -35,7 +37,9 @@ def _prompts(out: Path) -> dict[int, dict]:
 
 
 def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_seconds: float = 300) -> None:
-    """Start the job and SIGKILL all of it (ranks, engine cores, agent workers) once `marker` exists."""
+    """Start the job and SIGKILL its ranks once `marker` exists: what they started (the engine core and
+    its vLLM worker, the agent workers) must die with them (molt/lifetime.py), as when the OOM killer
+    takes a rank, and within seconds. The rest (torchrun, stragglers) is killed after."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "-m", "molt.train", "--config", DEMO]
     for item in sets:
@@ -43,7 +47,7 @@ def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_second
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout_seconds
+    deadline, spawned = time.monotonic() + timeout_seconds, {}
     try:
         while not marker.exists():
             if process.poll() is not None:
@@ -52,9 +56,37 @@ def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_second
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {marker} within {timeout_seconds}s")
             time.sleep(0.05)
+        started = _descendants(process.pid)
+        ranks = [pid for pid in started if _parent(pid) == process.pid]
+        spawned = {pid: _command(pid) for pid in started if pid not in ranks}
+        assert len(ranks) == 2 and any("VLLM::EngineCore" in name for name in spawned.values()), spawned
+        for rank in ranks:
+            os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 30  # they go within a second or two; generous for a loaded machine
+        while [pid for pid in spawned if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = {pid: name for pid, name in spawned.items() if _alive(pid)}
+        assert not survivors, f"processes outlived their rank killed with SIGKILL: {survivors}"
     finally:
-        _kill_tree(process.pid)
-        process.communicate()
+        orphans = [pid for pid, name in spawned.items() if _command(pid) == name]  # no longer descendants
+        for pid in [*orphans, *_descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()  # returns once nothing holds the job's stderr pipe open
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:100].decode(errors="replace")
+    except FileNotFoundError:
+        return "(gone)"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except FileNotFoundError:
+        return None
 
 
 SCHEDULE = {"train.lr_schedule": "cosine", "train.warmup_steps": 1, "train.min_lr_ratio": 0.1}
