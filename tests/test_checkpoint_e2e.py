@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import DEMO, ROOT, _alive, _descendants, _job_sets, _torchrun
+from test_train_e2e import DEMO, ROOT, _alive, _descendants, _job_sets, _kill_tree, _torchrun
 
 from molt.optimizer import OptimizerSettings, lr_factor
 
@@ -62,16 +62,17 @@ def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_second
         assert len(ranks) == 2 and any("VLLM::EngineCore" in name for name in spawned.values()), spawned
         for rank in ranks:
             os.kill(rank, signal.SIGKILL)
-        deadline = time.monotonic() + 30  # they go within a second or two; generous for a loaded machine
+        deadline = time.monotonic() + 30  # they go within a few seconds; generous for a loaded machine
         while [pid for pid in spawned if _alive(pid)] and time.monotonic() < deadline:
             time.sleep(0.1)
         survivors = {pid: name for pid, name in spawned.items() if _alive(pid)}
         assert not survivors, f"processes outlived their rank killed with SIGKILL: {survivors}"
     finally:
-        orphans = [pid for pid, name in spawned.items() if _command(pid) == name]  # no longer descendants
-        for pid in [*orphans, *_descendants(process.pid), process.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for pid, name in spawned.items():  # survivors are orphans now, outside the tree _kill_tree kills
+            if _command(pid) == name:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        _kill_tree(process.pid)
         process.communicate()  # returns once nothing holds the job's stderr pipe open
 
 

@@ -5,6 +5,7 @@ images. tools/bench/images.py runs the same job bigger (16 images x 64 rollouts)
 figures; docs/benchmarks.md has them."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -86,10 +87,7 @@ def test_controller_memory_does_not_grow_with_the_images(screenshot_job):
 
 def slope(values: list[float]) -> float:
     """Least-squares slope of `values` against their index."""
-    n = len(values)
-    mean_x, mean_y = (n - 1) / 2, sum(values) / n
-    return (sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
-            / sum((x - mean_x) ** 2 for x in range(n)))
+    return statistics.linear_regression(range(len(values)), values).slope
 
 
 def test_the_slope_tells_a_leak_from_noise():
