@@ -15,7 +15,7 @@ import torch
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
 from molt.images import ImageInputs, collapse_placeholders, count_stray_placeholders, image_digest, open_image
-from molt.route_capture import RouteTaker, count_unknown, native_routes, route_capture_path
+from molt.route_capture import RouteTaker, count_unknown, dense_layer_indices, native_routes, route_capture_path
 from molt.routes import pad_routes
 from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
 
@@ -95,6 +95,7 @@ class RolloutEngine:
         # Running total over `stream` requests of prompt positions without a recorded route (~0: a
         # prefix-cache hit gets its blocks' routes; only blocks the workers never computed count).
         self.unrouted_tokens = 0
+        self._dense_layer_list: list[int] | None = None  # see _dense_layers
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
@@ -225,6 +226,12 @@ class RolloutEngine:
             self._route_capture_enabled = asyncio.ensure_future(self.llm.collective_rpc("molt_enable_route_capture"))
         await self._route_capture_enabled
 
+    def _dense_layers(self) -> list[int]:
+        """The model's decoder layers without a router (native capture leaves them at 0, not -1)."""
+        if self._dense_layer_list is None:
+            self._dense_layer_list = dense_layer_indices(self.llm.model_config.hf_config)
+        return self._dense_layer_list
+
     async def _take_routes(self, request_id: str, completion, num_prompt: int, num_sampled: int):
         """[prompt + response tokens, layers, top_k] routes of a finished request (None when not
         recorded), and the prompt positions without one added to unrouted_tokens."""
@@ -232,7 +239,7 @@ class RolloutEngine:
             return None
         num_tokens = num_prompt + num_sampled
         if self.route_capture == "native":
-            routes = native_routes(completion, num_tokens)
+            routes = native_routes(completion, num_tokens, self._dense_layers())
         else:
             recorded = await self._route_taker.take(request_id)
             routes = None if recorded is None else pad_routes(recorded, num_tokens)

@@ -384,14 +384,38 @@ class RouteTaker:
                     future.set_result(decode_routes(routes.get(request_id)))
 
 
-def native_routes(completion, num_tokens: int) -> torch.Tensor | None:
+def native_routes(completion, num_tokens: int, dense_layers: list[int] = ()) -> torch.Tensor | None:
     """GPU path (never run on a GPU): vLLM's routed experts of a finished completion
     (`CompletionOutput.routed_experts`, numpy [prompt + response tokens - 1, layers, top_k], the
-    last sampled token not run), as the CPU path's tensor: sorted ids, padded to num_tokens."""
+    last sampled token not run), as the CPU path's tensor: sorted ids, padded to num_tokens, and
+    unknown (-1) at the `dense_layers` (`dense_layer_indices`)."""
     if completion.routed_experts is None:
         return None
     routes = torch.from_numpy(completion.routed_experts.astype("int16")).sort(dim=-1).values
+    if dense_layers:
+        # vLLM's capturer has a row for every decoder layer (get_total_num_hidden_layers) in a buffer
+        # that starts at zero (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py,
+        # RoutedExpertsCapturer.__init__: torch.zeros); only MoE layers write theirs, so a dense
+        # layer would read as "expert 0" instead of Molt's unknown.
+        routes[:, list(dense_layers)] = UNKNOWN
     return pad_routes(routes, num_tokens)
+
+
+def dense_layer_indices(hf_config) -> list[int]:
+    """The decoder layers of a MoE model that have no router, by the rule vLLM's model builds them
+    with: Qwen2/Qwen3-MoE (vllm/model_executor/models/qwen3_moe.py: a layer in `mlp_only_layers`,
+    or not every `decoder_sparse_step`-th), DeepSeek-V2/V3 and Kimi-K2 (deepseek_v2.py: the first
+    `first_k_dense_replace`, and those off `moe_layer_freq`); every layer routes otherwise (Mixtral)."""
+    config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers = range(config.num_hidden_layers)
+    if hasattr(config, "first_k_dense_replace"):
+        frequency = getattr(config, "moe_layer_freq", 1) or 1
+        return [i for i in layers if i < config.first_k_dense_replace or i % frequency]
+    if hasattr(config, "decoder_sparse_step") or hasattr(config, "mlp_only_layers"):
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return [i for i in layers if i in dense or (i + 1) % step]
+    return []
 
 
 def count_unknown(routes: torch.Tensor | None, num_positions: int) -> int:

@@ -10,7 +10,8 @@ from molt import route_capture
 from molt.config import ConfigError
 from molt.config import MoltConfig
 from molt.route_capture import (BlockRoutes, RouteRecorder, StepLayout, count_unknown, external_request_id,
-                                find_route_block_group, native_routes, resolve_capture_routes, route_capture_path)
+                                dense_layer_indices, find_route_block_group, native_routes, resolve_capture_routes,
+                                route_capture_path)
 from molt.routes import decode_routes
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 3, 2, 8
@@ -195,6 +196,35 @@ def test_native_routes_match_the_worker_path():
     native = native_routes(completion, 6)
     assert native.dtype == torch.int16 and torch.equal(native[:5], routes) and (native[5] == -1).all()
     assert count_unknown(native, 6) == 1 and count_unknown(None, 4) == 4
+
+
+def test_native_routes_mark_dense_layers_unknown():
+    """vLLM's native capture has a row for every decoder layer, zeros where no router wrote (a
+    DeepSeek-style model's first dense layers): Molt's trace says -1 there, as the CPU path does.
+    Before the fix the dense layer came back as expert 0."""
+    from vllm.outputs import CompletionOutput
+
+    array = np.zeros((4, 3, 2), dtype=np.uint8)  # layer 0 dense (vLLM never writes it), layers 1-2 routed
+    array[:, 1:] = np.array([3, 1], dtype=np.uint8)
+    completion = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None,
+                                  routed_experts=array)
+    native = native_routes(completion, 5, dense_layers=[0])
+    assert (native[:4, 0] == -1).all() and (native[:4, 1:] == torch.tensor([1, 3], dtype=torch.int16)).all()
+    assert (native[4] == -1).all()
+
+
+def test_dense_layers_follow_vllms_rules():
+    """Which layers have no router, per family, as vLLM's models build them (qwen3_moe.py,
+    deepseek_v2.py); a model with neither field routes every layer."""
+    from types import SimpleNamespace
+
+    deepseek = SimpleNamespace(num_hidden_layers=6, first_k_dense_replace=2, moe_layer_freq=2)
+    assert dense_layer_indices(deepseek) == [0, 1, 3, 5]
+    kimi = SimpleNamespace(num_hidden_layers=4, first_k_dense_replace=1)  # no moe_layer_freq: every layer after
+    assert dense_layer_indices(kimi) == [0]
+    qwen = SimpleNamespace(num_hidden_layers=6, mlp_only_layers=[0], decoder_sparse_step=2)
+    assert dense_layer_indices(qwen) == [0, 2, 4]
+    assert dense_layer_indices(SimpleNamespace(num_hidden_layers=3, num_local_experts=8)) == []
 
 
 def test_capture_is_on_for_moe_models_only(tiny_model_dir):
