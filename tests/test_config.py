@@ -468,3 +468,21 @@ def test_sft_run_validation_names_the_field(tmp_path, change, world_size, expect
     change(cfg)
     with pytest.raises(ConfigError, match=expected):
         validate_sft_config(cfg, world_size=world_size)
+
+
+def test_engine_parallelism_that_adds_workers_per_engine_is_refused():
+    # prefill_context_parallel_size adds workers to each engine; decode_context_parallel_size does not:
+    # vLLM's workers per engine are PP x TP x PCP (vllm/config/parallel.py, ParallelConfig.__post_init__)
+    # and its NCCL weight receiver ranks them from Molt's offset 1 + engine x TP (vllm/distributed/
+    # weight_transfer/nccl_common.py, worker_init_process_group), so PCP workers take the next engine's ranks.
+    from vllm.config import ParallelConfig
+
+    from molt.engine import engine_args_errors
+
+    assert ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2).world_size == 4
+    assert ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).world_size == 2
+    [error] = engine_args_errors({"prefill_context_parallel_size": 2})
+    assert error.startswith("rollout.engine_args['prefill_context_parallel_size']: Molt sets this vLLM argument "
+                            "itself; refit ranks count tensor-parallel workers only (1 + engine x TP + worker)")
+    assert error.endswith("set layout.engine_tensor_parallel_size")
+    assert engine_args_errors({"decode_context_parallel_size": 2}) == []

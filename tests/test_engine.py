@@ -435,6 +435,8 @@ def test_kv_cache_gigabytes_and_engine_memory_fraction_are_not_both_set(tiny_mod
     ({"kv_cache_memory_bytes": 2**30}, "set rollout.kv_cache_gigabytes"),
     ({"model": "other"}, "set model.path"),
     ({"worker_extension_cls": "x.Y"}, "set refit.receiver_cls"),
+    ({"prefill_context_parallel_size": 2}, "rollout.engine_args['prefill_context_parallel_size']: Molt sets this "
+                                           "vLLM argument itself; refit ranks count tensor-parallel workers only"),
 ])
 def test_engine_args_refuse_unknown_and_molt_owned_names(tiny_model_dir, engine_args, expected):
     cfg = _engine_config(tiny_model_dir, engine_args=engine_args)
