@@ -78,7 +78,7 @@ def shard_and_load(model: nn.Module, backbone: nn.Module, model_path: str, *, me
     named with the prefix `not_in_checkpoint` (the critic's value head)."""
     if device.type != mesh.device_type:
         raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
-    choose_attention(backbone, device)
+    choose_attention(backbone, device, plan.forward_dtype)
     shard_model(model, backbone, mesh=mesh, plan=plan)
     report = load_sharded_weights(model, model_path, device=torch.device("cpu") if plan.cpu_offload else device)
     missing = [name for name in report.missing if not (not_in_checkpoint and name.startswith(not_in_checkpoint))]
@@ -87,19 +87,48 @@ def shard_and_load(model: nn.Module, backbone: nn.Module, model_path: str, *, me
                            f"e.g. {missing[:3]}: is it a complete Hugging Face checkpoint?")
 
 
-def choose_attention(model: nn.Module, device: torch.device) -> None:
-    """On CUDA with flash-attn installed, attention runs as flash attention, which takes a packed row's
-    per-sequence position ids as variable-length sequences; elsewhere (and on CPU) Hugging Face's sdpa
-    builds a block-diagonal causal mask from the same position ids. Not yet run on a GPU."""
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+FLASH_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def attention_implementation(device_type: str, compute_dtype: torch.dtype, flash_available: bool) -> str | None:
+    """"flash_attention_2" on CUDA with flash-attn installed and a 16-bit compute dtype; else None,
+    which keeps the model's own (Hugging Face's sdpa for the models Molt trains)."""
+    # flash-attn's kernels take fp16 and bf16 only (flash_attn csrc/flash_attn/flash_api.cpp:
+    # "FlashAttention only support fp16 and bf16 data type"); transformers 5.19 passes fp32 queries
+    # through unchanged when the Linear weights are fp32 (transformers/integrations/flash_attention.py,
+    # get_target_dtype) and only warns about the dtype (modeling_utils.py, _flash_attn_can_dispatch:
+    # "Flash Attention 2 only supports torch.float16 and torch.bfloat16 dtypes"), so fp32 compute
+    # would fail at the first forward.
+    if device_type == "cuda" and flash_available and compute_dtype in FLASH_ATTENTION_DTYPES:
+        return "flash_attention_2"
+    return None
+
+
+def choose_attention(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """Set `attention_implementation`'s choice on `model`. Flash attention takes a packed row's
+    per-sequence position ids as variable-length sequences; elsewhere Hugging Face's sdpa builds a
+    [rows, 1, L, L] block-diagonal causal mask from them, and each packed row is only as wide as the
+    longest experience (molt.batch.LAYOUTS "rows"), so its cost is rows x L^2. On CUDA, a warning
+    says when and why flash attention is off. Not yet run on a GPU."""
+    flash_available = importlib.util.find_spec("flash_attn") is not None
+    implementation = attention_implementation(device.type, compute_dtype, flash_available)
+    if device.type == "cuda" and implementation is None:
+        reason = ("flash-attn is not installed (pip install flash-attn)" if not flash_available else
+                  f"the compute dtype is {compute_dtype}, and flash-attn takes float16 or bfloat16 only "
+                  f"(set train.compute_dtype=bfloat16)")
+        logger.warning("attention: %s; using %s, which masks each packed row with a dense [rows, 1, L, L] "
+                       "block-diagonal mask and packs rows only as wide as the longest experience (cost rows x L^2)",
+                       reason, model.config._attn_implementation)
+        return
+    if implementation is None:
         return
     try:
-        model.set_attn_implementation("flash_attention_2")
+        model.set_attn_implementation(implementation)
     except (ImportError, ValueError) as error:  # e.g. a flash-attn build that does not match torch
-        logger.warning("attention: flash_attention_2 unavailable (%s); using %s, packed rows as wide as the longest "
-                       "experience", error, model.config._attn_implementation)
+        logger.warning("attention: %s unavailable (%s); using %s, packed rows as wide as the longest experience",
+                       implementation, error, model.config._attn_implementation)
         return
-    logger.info("attention: flash_attention_2 (packed rows as variable-length sequences)")
+    logger.info("attention: %s (packed rows as variable-length sequences)", implementation)
 
 
 class ScoringHead(nn.Module):

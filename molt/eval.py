@@ -26,6 +26,7 @@ from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
 from molt.dataset import PromptRow, load_prompt_rows
+from molt.devices import apply_vllm_worker_start_method
 from molt.evaluation import EvalSample, build_eval_requests, compute_eval_metrics, sample_from_outcome, split_eval_rows
 from molt.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", error)
         return 2
     logger.info("eval set: %d prompts x %d samples", len(rows), cfg.eval.n_samples)
+    # No torch.distributed world here, but the engine starts as a rollout rank's does, on GPU as on CPU.
+    apply_vllm_worker_start_method(os.environ, cfg.device)
     if args.dry_run:
         return 0
     with tempfile.TemporaryDirectory(prefix="molt-eval-") as scratch:

@@ -5,8 +5,10 @@ it by the temperature and keeps a softmax for backward: at 16K tokens x 152K voc
 copy of the logits is ~10 GB, and autograd keeps several. Here the LM head and the loss head are
 one autograd function that walks the tokens `chunk_tokens` rows at a time, keeps only [tokens]
 results (log-probs, logsumexp, entropy) and recomputes each chunk's logits in backward, so no
-tensor larger than [chunk_tokens, vocab] is ever alive (the same idea as the fused linear +
-cross-entropy kernels in Liger-Kernel and Apple's Cut Cross-Entropy, in plain PyTorch ops).
+tensor larger than [chunk_tokens, vocab] is ever alive besides [vocab, hidden_size] ones (the same
+idea as the fused linear + cross-entropy kernels in Liger-Kernel and Apple's Cut Cross-Entropy, in
+plain PyTorch ops). Under bf16 compute the logits are still float32 products (`logits_matmul`), as
+the importance ratios against the engine's log-probs need.
 """
 
 import math
@@ -19,12 +21,15 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 def compute_chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float | Tensor,
                              chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """[tokens] log softmax(z)[target] and, if `with_entropy`, [tokens] entropy of softmax(z), where
-    z = (hidden @ weight.T) / temperature in at least float32 (float64 stays float64).
+    z = (hidden @ weight.T) / temperature, the product itself in at least float32 (float64 stays
+    float64; bf16/fp16 inputs are multiplied with a float32 output, never rounded to 16 bits first:
+    `logits_matmul`).
 
     Why: whole logits do not fit; at 16K tokens x 152K vocab one float32 copy is ~10 GB and
     autograd keeps several. Peak extra memory here is a few [chunk_tokens, vocab] tensors in that
     dtype (logits, probabilities, their gradient) plus a [vocab, hidden_size] gradient accumulator
-    for `weight`. Backward recomputes each chunk's logits: one more `hidden @ weight.T` of compute.
+    for `weight`, and off CUDA for 16-bit inputs one float32 copy of `weight`. Backward recomputes
+    each chunk's logits the forward's way: one more `hidden @ weight.T` of compute.
 
     Args:
         hidden: [tokens, hidden_size] final hidden states (any float dtype).
@@ -78,13 +83,43 @@ def _chunk_temperature(temperature: float | Tensor, rows: slice, dtype: torch.dt
     return temperature if not isinstance(temperature, Tensor) else temperature[rows].to(dtype).unsqueeze(-1)
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, logsumexp: Tensor | None,
+def logits_matmul(device_type: str, dtype: torch.dtype) -> str:
+    """How a chunk's logits, at least float32, come from `dtype` hidden states and LM head weight:
+    - "native": float32 or float64 inputs, `hidden @ weight.T` in their own dtype;
+    - "out_dtype": float16/bfloat16 on CUDA, `torch.mm(..., out_dtype=torch.float32)`: cuBLAS
+      accumulates in float32 and writes float32, with no float32 copy of the weight;
+    - "upcast": float16/bfloat16 elsewhere, both operands upcast to float32 (the weight once per
+      forward and once per backward: one float32 [vocab, hidden_size] copy alive while they run).
+    Never a 16-bit product upcast after: rounding logits of size ~30 to bf16 moves them by up to
+    0.06, straight into every log-prob and importance ratio."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "native"
+    # torch/_torch_docs.py, torch.mm(input, mat2, out_dtype): "Supported only on CUDA and for
+    # torch.float32 given torch.float16/torch.bfloat16 input dtypes" (aten::mm.dtype has no CPU kernel).
+    return "out_dtype" if device_type == "cuda" else "upcast"
+
+
+def _scoring_weight(weight: Tensor, method: str) -> Tensor:
+    """The LM head weight as the chunks' matmul takes it (`logits_matmul`)."""
+    return weight.float() if method == "upcast" else weight
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, method: str) -> Tensor:
+    """[chunk, vocab] logits in at least float32; `weight` from `_scoring_weight`. Forward and
+    backward both call it, so the logits backward recomputes are the forward's exactly."""
+    if method == "out_dtype":
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    if method == "upcast":
+        return hidden.float() @ weight.T
+    return hidden @ weight.T
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, method: str, logsumexp: Tensor | None,
                     temperature: float | Tensor) -> tuple[Tensor, Tensor]:
     """One chunk's [chunk, vocab] log-probs and [chunk] logsumexp; `logsumexp` is computed when
     None (forward) and reused when given (backward). `temperature`: a scalar or [chunk, 1]."""
-    # At least float32: bf16 log-probs are too coarse for importance ratios. The matmul (or the
-    # upcast) output is fresh, so the temperature and the normaliser are applied in place.
-    logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))  # [chunk, vocab]
+    # The matmul's output is fresh, so the temperature and the normaliser are applied in place.
+    logits = _chunk_logits(hidden, weight, method)  # [chunk, vocab]
     logits.div_(temperature)
     if logsumexp is None:
         logsumexp = torch.logsumexp(logits, dim=-1)  # [chunk]
@@ -100,12 +135,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         num_tokens = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
+        method = logits_matmul(hidden.device.type, hidden.dtype)
+        scoring_weight = _scoring_weight(weight, method)
         logprobs = hidden.new_empty(num_tokens, dtype=dtype)  # [tokens]
         logsumexp = hidden.new_empty(num_tokens, dtype=dtype)  # [tokens]
         entropy = hidden.new_empty(num_tokens, dtype=dtype) if with_entropy else None  # [tokens]
         for start in range(0, num_tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            chunk_logprobs, logsumexp[rows] = _chunk_logprobs(hidden[rows], weight, None,
+            chunk_logprobs, logsumexp[rows] = _chunk_logprobs(hidden[rows], scoring_weight, method, None,
                                                               _chunk_temperature(temperature, rows, dtype))
             logprobs[rows] = chunk_logprobs.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
@@ -126,10 +163,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
         # Summed over every chunk, so kept wide and rounded to weight's dtype once at the end.
         grad_weight = weight.new_zeros(weight.shape, dtype=logsumexp.dtype) if need_weight else None
+        method = logits_matmul(hidden.device.type, hidden.dtype)
+        scoring_weight = _scoring_weight(weight, method)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             chunk_temperature = _chunk_temperature(temperature, rows, logsumexp.dtype)
-            logprobs, _ = _chunk_logprobs(hidden[rows], weight, logsumexp[rows], chunk_temperature)
+            logprobs, _ = _chunk_logprobs(hidden[rows], scoring_weight, method, logsumexp[rows], chunk_temperature)
             grad_logits = _chunk_grad_logits(logprobs, targets[rows], _rows(entropy, rows),
                                              _rows(grad_logprobs, rows), _rows(grad_entropy, rows))
             grad_logits.div_(chunk_temperature)  # z = logits / temperature

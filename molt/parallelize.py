@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import Backend as C10dBackend
+import torch._C._distributed_c10d as c10d
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -100,18 +100,15 @@ def build_trainer_mesh(*, num_trainer_ranks: int, device_type: str, data_paralle
     # A rollout rank builds the same groups as a "cpu" mesh: a CUDA mesh would select a CUDA device
     # in that process (LOCAL_RANK's, perhaps not among its engine's visible GPUs).
     timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
-    options = None
-    if timeout is not None:
-        options = C10dBackend.Options("nccl" if device_type == "cuda" else "gloo")
-        options._timeout = timeout
     mesh = DeviceMesh(device_type if rank < num_trainer_ranks else "cpu", ranks.view(*(sizes[name] for name in names)),
-                      mesh_dim_names=names, backend_override=((None, options),) * len(names))
+                      mesh_dim_names=names, backend_override=mesh_backend_override(names, device_type, timeout))
     # Ranks with one tp coordinate train on different data. With one replica that is the dp_shard
     # dimension's own group; with several, a new group per tp coordinate (every world rank calls).
     dp_groups = ([] if replicate == 1 else
                  [dist.new_group(ranks[..., c].flatten().tolist(), timeout=timeout) for c in range(tp)])
     ep_mesh, expert_fsdp_mesh = build_expert_meshes(mesh, expert_parallel_size, shard=shard, tp_size=tp,
-                                                    options=options, is_trainer=rank < num_trainer_ranks)
+                                                    device_type=device_type, timeout=timeout,
+                                                    is_trainer=rank < num_trainer_ranks)
     if rank >= num_trainer_ranks:
         return None
     fsdp_mesh = mesh["dp_shard"] if replicate == 1 else mesh["dp_replicate", "dp_shard"]
@@ -122,7 +119,41 @@ def build_trainer_mesh(*, num_trainer_ranks: int, device_type: str, data_paralle
                        ep_rank=ep_mesh.get_local_rank() if ep_mesh is not None else 0)
 
 
-def build_expert_meshes(mesh: DeviceMesh, ep: int, *, shard: int, tp_size: int, options: C10dBackend.Options | None,
+def group_options_class(device_type: str) -> str:
+    """The name, in torch._C._distributed_c10d, of the options class the trainer mesh's groups get:
+    the NCCL backend's own on CUDA, the generic one elsewhere (gloo reads only the timeout)."""
+    # torch/distributed/distributed_c10d.py, _new_process_group_helper: for an NCCL backend,
+    # `if not isinstance(backend_options, ProcessGroupNCCL.Options): raise AssertionError(...)`;
+    # a CUDA trainer's groups are "cpu:gloo,cuda:nccl" (molt.train), and each backend gets the same
+    # options object, so they must be the NCCL class. The gloo branch ignores backend_options.
+    return "ProcessGroupNCCL.Options" if device_type == "cuda" else "Backend.Options"
+
+
+def group_options(device_type: str, timeout: datetime.timedelta) -> c10d.Backend.Options:
+    """The options of a trainer-mesh group with collective timeout `timeout` (`group_options_class`).
+    DeviceMesh passes `options._timeout` on as new_group's timeout (device_mesh.py,
+    _init_one_process_group), so the two agree, as _new_process_group_helper wants."""
+    if group_options_class(device_type) == "Backend.Options":
+        options = c10d.Backend.Options("gloo")
+    elif hasattr(c10d, "ProcessGroupNCCL"):
+        options = c10d.ProcessGroupNCCL.Options(is_high_priority_stream=False)  # as NCCL's default groups
+    else:
+        raise RuntimeError(f"device_type={device_type!r} needs NCCL, and this torch {torch.__version__} is built "
+                           f"without it (a CPU build?): install a CUDA build of torch, or run with device=cpu")
+    options._timeout = timeout
+    return options
+
+
+def mesh_backend_override(names: tuple[str, ...], device_type: str,
+                          timeout: datetime.timedelta | None) -> tuple[tuple[None, c10d.Backend.Options | None], ...]:
+    """DeviceMesh's backend_override for dims `names`: the default backend, with `timeout` when given.
+    One options object per dim: _new_process_group_helper writes the group's name and ranks into the
+    object it is given, and an NCCL group keeps a reference to it."""
+    return tuple((None, None if timeout is None else group_options(device_type, timeout)) for _ in names)
+
+
+def build_expert_meshes(mesh: DeviceMesh, ep: int, *, shard: int, tp_size: int, device_type: str,
+                        timeout: datetime.timedelta | None,
                         is_trainer: bool) -> tuple[DeviceMesh | None, DeviceMesh | None]:
     """(ep mesh, the experts' FSDP2 mesh) when ep > 1, else Nones: `mesh`'s dp_shard dim (of `shard`
     ranks) unflattened into (dp_shard_mod_ep, ep), ep inner so an ep group is consecutive ranks (one
@@ -136,7 +167,7 @@ def build_expert_meshes(mesh: DeviceMesh, ep: int, *, shard: int, tp_size: int, 
                          f"trainer_tensor_parallel_size=1 (got {tp_size}); use a divisor of {shard}")
     names = ("dp_shard_mod_ep", "ep")
     split = mesh._unflatten("dp_shard", (shard // ep, ep), names,
-                            backend_override=None if options is None else dict.fromkeys(names, options))
+                            backend_override=dict(zip(names, mesh_backend_override(names, device_type, timeout))))
     if not is_trainer:
         return None, None
     replicated = "dp_replicate" in split.mesh_dim_names

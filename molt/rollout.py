@@ -24,6 +24,7 @@ from molt.agent_pool import AgentWorkerPool
 from molt.agent_worker import decode_outcome, decode_request, encode_outcome  # noqa: F401
 from molt.agents.base import RolloutOutcome
 from molt.config import MoltConfig
+from molt.devices import apply_vllm_worker_start_method
 from molt.endpoint.server import SessionEndpoint
 from molt.endpoint.template_check import find_prefix_breaks
 from molt.engine import RolloutEngine
@@ -41,7 +42,9 @@ RANK_LAG_ADVICE = "the session endpoint and the engine's front end share this lo
 
 
 def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str) -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported; workers inherit it
+    # Both before vLLM is imported; its engine core and workers inherit them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    apply_vllm_worker_start_method(os.environ, cfg.device)  # this process holds the torchrun world
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
 
 

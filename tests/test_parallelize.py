@@ -16,7 +16,7 @@ from molt.batch import build_micro_batches
 from molt.config import ConfigError, MoltConfig, validate_config
 from molt.critic import build_reference_model, build_value_model
 from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
+from molt.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -171,3 +171,29 @@ def offload_rank(rank, world_size, model_path):
     micro_batches = build_micro_batches(experiences, advantages, max_tokens_per_micro_batch=10_000, pad_token_id=PAD)
     result = actor.train_window(micro_batches, PPO)
     return {"param_device": next(model.parameters()).to_local().device.type, "stepped": result.stepped}
+
+
+def mesh_timeouts_rank(rank, world_size, num_trainers):
+    """The collective timeout of every group the trainer mesh gives this rank (None: a rollout rank)."""
+    mesh = build_trainer_mesh(num_trainer_ranks=num_trainers, device_type="cpu", expert_parallel_size=2,
+                              timeout_seconds=77)
+    if mesh is None:
+        return None
+    groups = {"dp_shard": mesh.fsdp_mesh.get_group(), "ep": mesh.ep_group,
+              "dp_shard_mod_ep": mesh.expert_fsdp_mesh.get_group()}
+    timeouts = {name: group._get_backend(CPU).options._timeout.total_seconds() for name, group in groups.items()}
+    # The groups work: a sum over the ep ranks.
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value, group=mesh.ep_group)
+    return {"timeouts": timeouts, "ep_sum": value.item()}
+
+
+def test_trainer_mesh_groups_carry_the_timeout_and_rollout_ranks_take_part():
+    """Issue 27, finding 1, the gloo half: every group of the mesh and of the experts' unflattened
+    mesh gets the timeout through its options (tests/test_gpu_decisions.py pins the NCCL class, and
+    its gpu test builds the mesh on NCCL)."""
+    results = run_ranks(mesh_timeouts_rank, 3, 2)
+    assert results[2] is None
+    for result in results[:2]:
+        assert result["timeouts"] == {"dp_shard": 77.0, "ep": 77.0, "dp_shard_mod_ep": 77.0}, result
+        assert result["ep_sum"] == 1.0
