@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from molt.agent_worker import WorkerSettings, encode_generation, failed_outcome, run_agent_worker
 from molt.agents.base import SamplingParams
-from molt.config import MoltConfig
+from molt.config import MoltConfig, engine_start_limit_seconds
 from molt.images import ImageInputs
 from molt.wire import pack, unpack
 
@@ -173,7 +173,7 @@ class AgentWorkerPool:
             pass
 
     async def _wait_until(self, predicate: Callable[[], bool], what: str) -> None:
-        timeout = self.cfg.rollout.engine_start_timeout_seconds
+        timeout = engine_start_limit_seconds(self.cfg)
 
         async def until() -> None:
             while not predicate() and not self.failure:

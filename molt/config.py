@@ -78,6 +78,11 @@ class LayoutConfig(ConfigSection):
     gpu_memory_gigabytes: float = 0.0
     """Memory of one GPU in GiB, for --dry-run's check that each trainer rank's shards and each
     engine's weights fit (0 = skip the check)."""
+    colocate: bool = False
+    """Trainer ranks and engines share GPUs (one node): engine i takes the GPUs of trainer ranks
+    i x engine_tensor_parallel_size onwards, so num_rollout_ranks x engine_tensor_parallel_size must
+    equal num_trainer_ranks. On a GPU the engine takes rollout.engine_memory_fraction of it and refit
+    goes over gloo (NCCL refuses two ranks on one GPU). False: every engine has GPUs of its own."""
 
 
 @dataclass(kw_only=True)
@@ -122,8 +127,18 @@ class AgentConfig(ConfigSection):
     CA bundle each time (~30-50 ms of CPU per client; see molt/agents/tls.py)."""
 
 
-# Each engine worker's KV cache when neither rollout.kv_cache_gigabytes nor engine_memory_fraction is set.
+# Each engine worker's KV cache when neither rollout.kv_cache_gigabytes nor engine_memory_fraction is set,
+# on CPU: vLLM's CPU backend sizes by bytes, and a share of a NUMA node's memory varies from machine to machine.
 DEFAULT_KV_CACHE_GIGABYTES = 1.0
+# The share of its own GPU an engine fills when neither is set (vLLM 0.32's CacheConfig default is 0.92;
+# 0.9 leaves the refit's NCCL buffers room).
+DEFAULT_GPU_ENGINE_MEMORY_FRACTION = 0.9
+# Engine start limit when rollout.engine_start_timeout_seconds is 0 (auto): a fixed part for the
+# process, compilation and CUDA graph capture, plus a read time per GiB of checkpoint for each engine
+# reading it at once from one node's storage (~0.8 GiB/s a node: 8 engines x 57 GiB of Qwen3-30B-A3B
+# take ~570 s).
+ENGINE_START_BASE_SECONDS = 300.0
+ENGINE_START_SECONDS_PER_GIGABYTE = 1.25
 
 
 @dataclass(kw_only=True)
@@ -148,21 +163,30 @@ class RolloutConfig(ConfigSection):
     kv_cache_gigabytes: float = 0.0
     """KV cache of each engine worker in GiB (vLLM kv_cache_memory_bytes; a tensor-parallel engine has
     one worker per device), on CPU and GPU alike; the weights and activations come on top. 0 = unset:
-    engine_memory_fraction sizes the engine, or, if that is unset too, 1 GiB (DEFAULT_KV_CACHE_GIGABYTES)."""
+    engine_memory_fraction sizes the engine, or, if that is unset too, 1 GiB on CPU
+    (DEFAULT_KV_CACHE_GIGABYTES) and 0.9 of the GPU on GPUs (engine_memory). Not with layout.colocate
+    on GPUs."""
     engine_memory_fraction: float = 0.0
     """vLLM gpu_memory_utilization: the share of a GPU an engine worker fills (weights, activations,
     KV cache), or on CPU of the NUMA node's memory (less the engine process's own); 0 = unset. Set
-    this or kv_cache_gigabytes, not both."""
+    this or kv_cache_gigabytes, not both; required with layout.colocate on GPUs (the trainer rank
+    on the same GPU has the rest)."""
     engine_args: dict[str, object] = field(default_factory=dict)
     """More vLLM engine arguments (AsyncEngineArgs names: enable_prefix_caching, max_num_seqs,
     speculative_config, quantization, compilation_config, ...), passed through as given. Names Molt
     sets from its own fields are refused, naming the field."""
     engine_threads: int = 0
     """CPU only: OpenMP threads of each engine (0 = vLLM's default)."""
-    engine_start_timeout_seconds: float = 300.0
-    """Longest wait for the engines to come up."""
-    enforce_eager: bool = True
-    """Skip CUDA graph capture / compilation (faster start, slower decode)."""
+    engine_start_timeout_seconds: float = 0.0
+    """Longest wait for the engines to come up; 0 = auto: 300 s + 1.25 s per GiB of model.path's
+    weight files for each engine of a node reading them at once (engine_start_limit_seconds)."""
+    enforce_eager: bool | None = None
+    """Skip CUDA graph capture / compilation (faster start, slower decode); None = auto: eager on CPU,
+    CUDA graphs on GPUs (resolve_enforce_eager)."""
+    sleep_while_training: bool = False
+    """GPU only, with layout.colocate and algorithm.max_staleness=0: each engine sleeps (vLLM sleep
+    mode level 1: weights to host memory, KV cache freed) while the trainer steps, and wakes before
+    the refit or its next request, so the trainer rank on its GPU gets the engine's memory."""
     partial_rollout: bool = False
     """At a refit, keep the requests in flight and continue them from their generated prefixes under
     the new weights (each token keeps the version and log-prob it was sampled with; needs
@@ -178,6 +202,21 @@ class RolloutConfig(ConfigSection):
     """MoE: the engines record each token's top-k expert ids at every MoE layer (the trace's
     routed_experts, molt.route_capture); None = on for MoE models, off for dense ones (True on a
     dense model is refused)."""
+
+    def engine_memory(self, *, on_gpu: bool, colocate: bool = False) -> dict[str, float | int]:
+        """The vLLM argument that sizes each engine worker: {'kv_cache_memory_bytes': n} or
+        {'gpu_memory_utilization': share}. On CPU the byte budget is the default; on GPU a share of the
+        GPU (0.9 of its own), and colocated only the share the recipe gives (validate_config asks for it)."""
+        if self.kv_cache_gigabytes > 0:
+            return {"kv_cache_memory_bytes": int(self.kv_cache_gigabytes * 2**30)}
+        if self.engine_memory_fraction > 0:
+            return {"gpu_memory_utilization": self.engine_memory_fraction}
+        if on_gpu and not colocate:
+            return {"gpu_memory_utilization": DEFAULT_GPU_ENGINE_MEMORY_FRACTION}
+        if on_gpu:
+            raise ConfigError("layout.colocate=True on GPUs needs rollout.engine_memory_fraction (the engine's share "
+                              "of the GPU it shares with a trainer rank), e.g. 0.4")
+        return {"kv_cache_memory_bytes": int(DEFAULT_KV_CACHE_GIGABYTES * 2**30)}
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -709,6 +748,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(cfg.refit.backend in ("auto", "gloo", "nccl"), f"refit.backend={cfg.refit.backend!r}: use auto, gloo or nccl")
     check(cfg.device != "cpu" or cfg.refit.backend != "nccl",
           "refit.backend='nccl' with device='cpu': NCCL moves GPU memory; CPU runs refit over gloo (set auto or gloo)")
+    check_colocate(cfg, check)
     check(layout.gpu_memory_gigabytes >= 0,
           f"layout.gpu_memory_gigabytes={layout.gpu_memory_gigabytes}: must be >= 0 (0 skips the check)")
     if world_size is not None:
@@ -792,8 +832,9 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(rollout.temperature > 0, f"rollout.temperature={rollout.temperature}: must be > 0")
     check(rollout.engine_threads >= 0,
           f"rollout.engine_threads={rollout.engine_threads}: must be >= 0 (0 = vLLM's default)")
-    check(rollout.engine_start_timeout_seconds > 0,
-          f"rollout.engine_start_timeout_seconds={rollout.engine_start_timeout_seconds}: must be > 0")
+    check(rollout.engine_start_timeout_seconds >= 0,
+          f"rollout.engine_start_timeout_seconds={rollout.engine_start_timeout_seconds}: must be > 0, or 0 for "
+          f"auto (scaled with the checkpoint's size)")
     check(rollout.top_p == 1.0,
           f"rollout.top_p={rollout.top_p}: must be 1.0; the trainer recomputes log-probs over the full vocabulary, "
           f"so nucleus sampling would make them differ from the behaviour log-probs (the sampling contract, "
@@ -857,9 +898,9 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     check(cfg.refit.max_attempts >= 1, f"refit.max_attempts={cfg.refit.max_attempts}: must be >= 1")
     check(cfg.metrics.wandb_mode in ("disabled", "offline", "online"),
           f"metrics.wandb_mode={cfg.metrics.wandb_mode!r}: use disabled, offline or online")
-    if cfg.device == "cpu":
+    if cfg.device != "auto":  # with auto, molt.train checks once it knows where the trainer computes
         try:
-            check_cpu_offload(cfg, "cpu")
+            check_device_options(cfg, cfg.device)
         except ConfigError as error:
             check(False, str(error))
     check_eval_options(cfg, check, require_files=require_files)
@@ -993,6 +1034,93 @@ def check_sft_options(sft: SFTConfig, check) -> None:
     check(sft.num_steps >= 0, f"sft.num_steps={sft.num_steps}: must be >= 0 (0 = sft.epochs passes over the rows)")
     check(sft.epochs >= 1, f"sft.epochs={sft.epochs}: need at least 1")
     check(sft.batch_size >= 1, f"sft.batch_size={sft.batch_size}: need at least 1 row a step")
+
+
+def check_colocate(cfg: MoltConfig, check) -> None:
+    """layout.colocate and rollout.sleep_while_training against the layout, refit and algorithm."""
+    layout, rollout = cfg.layout, cfg.rollout
+    if layout.colocate:
+        engine_gpus = layout.num_rollout_ranks * layout.engine_tensor_parallel_size
+        check(engine_gpus == layout.num_trainer_ranks,
+              f"layout.colocate=True puts each engine on trainer ranks' GPUs: layout.num_rollout_ranks="
+              f"{layout.num_rollout_ranks} x layout.engine_tensor_parallel_size={layout.engine_tensor_parallel_size}"
+              f" = {engine_gpus} must equal layout.num_trainer_ranks={layout.num_trainer_ranks}")
+        # torchrun and srun give each node a contiguous block of ranks, and trainers come first, so a
+        # node's engines (ranks T..) would land on other nodes than its trainers (ranks 0..T-1).
+        check(cfg.device == "cpu" or layout.num_trainer_ranks <= layout.gpus_per_node,
+              f"layout.colocate=True runs on one node: layout.num_trainer_ranks={layout.num_trainer_ranks} is more "
+              f"than layout.gpus_per_node={layout.gpus_per_node}; use the disaggregated layout "
+              f"(layout.colocate=False) across nodes")
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected", init.cc).
+        check(cfg.refit.backend != "nccl",
+              "refit.backend='nccl' with layout.colocate=True: the trainer's sender and the engine share a GPU and "
+              "NCCL refuses a duplicate GPU in one communicator; set refit.backend=auto (gloo host staging)")
+    check(not rollout.sleep_while_training or layout.colocate,
+          "rollout.sleep_while_training=True frees an engine's GPU memory for the trainer rank on the same GPU, "
+          "which only layout.colocate=True gives it: set layout.colocate=True or sleep_while_training=False")
+    check(not rollout.sleep_while_training or cfg.algorithm.max_staleness == 0,
+          f"rollout.sleep_while_training=True stops generation while the trainer steps, but "
+          f"algorithm.max_staleness={cfg.algorithm.max_staleness} streams rollouts during the step: set "
+          f"algorithm.max_staleness=0 (synchronous)")
+
+
+def check_device_options(cfg: MoltConfig, device_type: str) -> None:
+    """Settings that depend on where the trainer computes ('cpu' or 'cuda'), checked once it is known."""
+    check_cpu_offload(cfg, device_type)
+    rollout = cfg.rollout
+    if rollout.sleep_while_training and device_type == "cpu":
+        # vllm/platforms/interface.py, is_sleep_mode_available: CUDA, ROCm and XPU only.
+        raise ConfigError("rollout.sleep_while_training=True on a CPU run: vLLM's sleep mode is CUDA-only (its CPU "
+                          "backend refuses enable_sleep_mode); set rollout.sleep_while_training=false")
+    if cfg.layout.colocate and device_type == "cuda" and (rollout.engine_memory_fraction <= 0
+                                                          or rollout.kv_cache_gigabytes > 0):
+        # vllm/v1/worker/utils.py, request_memory: an engine needs gpu_memory_utilization x the GPU free at
+        # start even when kv_cache_memory_bytes sizes its cache, so a byte budget alone asks for vLLM's
+        # default 0.92 of a GPU the trainer rank shares.
+        raise ConfigError(f"layout.colocate=True on GPUs sizes each engine by rollout.engine_memory_fraction (now "
+                          f"{rollout.engine_memory_fraction:g}), its share of the GPU it shares with a trainer rank: "
+                          f"set it (e.g. 0.4; --dry-run shows what the trainer needs) and leave "
+                          f"rollout.kv_cache_gigabytes at 0 (now {rollout.kv_cache_gigabytes:g})")
+
+
+def engine_start_seconds(checkpoint_bytes: int, engines_per_node: int = 1) -> float:
+    """The engine-start limit for a checkpoint of `checkpoint_bytes`: the `engines_per_node` engines of a
+    node read the whole checkpoint at once from its storage, then compile and capture CUDA graphs
+    (ENGINE_START_BASE_SECONDS)."""
+    return (ENGINE_START_BASE_SECONDS
+            + ENGINE_START_SECONDS_PER_GIGABYTE * engines_per_node * checkpoint_bytes / 2**30)
+
+
+def count_engines_per_node(layout: LayoutConfig) -> int:
+    """The most engines one node hosts (molt.placement.place_ranks: colocated, all on the one node)."""
+    if layout.colocate:
+        return layout.num_rollout_ranks
+    return max(1, min(layout.num_rollout_ranks, layout.gpus_per_node // max(1, layout.engine_tensor_parallel_size)))
+
+
+def checkpoint_bytes(model_path: str) -> int:
+    """Bytes of the weight files (*.safetensors, *.bin) of a Hugging Face directory; 0 where there are none."""
+    if not model_path or not os.path.isdir(model_path):
+        return 0
+    return sum(entry.stat().st_size for entry in os.scandir(model_path)
+               if entry.is_file() and entry.name.endswith((".safetensors", ".bin")))
+
+
+def engine_start_limit_seconds(cfg: MoltConfig, num_bytes: int | None = None) -> float:
+    """The longest wait for the engines: rollout.engine_start_timeout_seconds, or when it is 0 (auto)
+    engine_start_seconds of model.path's weight files (or of `num_bytes`, given when they are absent)."""
+    if cfg.rollout.engine_start_timeout_seconds > 0:
+        return cfg.rollout.engine_start_timeout_seconds
+    return engine_start_seconds(checkpoint_bytes(cfg.model.path) if num_bytes is None else num_bytes,
+                                count_engines_per_node(cfg.layout))
+
+
+def resolve_enforce_eager(enforce_eager: bool | None, *, on_gpu: bool) -> bool:
+    """rollout.enforce_eager, None = auto: CUDA graphs on GPUs (faster decode), eager on CPU, where
+    vLLM's CPU backend would compile the model (slow starts, and no route capture: molt.route_capture)."""
+    if enforce_eager is not None:
+        return enforce_eager
+    return not on_gpu
 
 
 def check_cpu_offload(cfg: MoltConfig, device_type: str) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Collection
 
 from molt.agents.base import RolloutOutcome
-from molt.config import AgentConfig, MoltConfig
+from molt.config import AgentConfig, MoltConfig, engine_start_limit_seconds
 from molt.console import HEARTBEAT_SECONDS, Heartbeat
 from molt.dataset import PromptRow, build_prompt_loader, load_prompt_rows
 from molt.engine_router import EngineRouter, estimate_rollout_tokens
@@ -244,7 +244,7 @@ class RolloutController:
     def wait_for_ranks(self, num_trainer_ranks: int) -> None:
         """Every other trainer rank says hello (so the router can address it), every engine says ready."""
         self.expect("hello", num_trainer_ranks - 1, 120, "trainer ranks connecting")
-        self.expect("ready", len(self.rollout_ranks), self.cfg.rollout.engine_start_timeout_seconds, "engine start")
+        self.expect("ready", len(self.rollout_ranks), engine_start_limit_seconds(self.cfg), "engine start")
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -43,15 +43,18 @@ class ModelFootprint:
     num_checkpointed_blocks: int  # decoder blocks under activation checkpointing
 
 
-def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterator[str]:
-    """The layout, each rank's node and GPUs, the trainer group's timeout and the launch command."""
+def describe_placements(cfg: MoltConfig, placements: list[Placement],
+                        checkpoint_bytes: int | None = None) -> Iterator[str]:
+    """The layout, each rank's node and GPUs, the refit backend, the trainer group's timeout and the
+    launch command. `checkpoint_bytes`: the model's size where model.path is absent (the engine-start limit)."""
     from molt.train import trainer_group_timeout
+    from molt.weight_sync import resolve_backend
 
     layout, on_gpu = cfg.layout, cfg.device != "cpu"
     nodes: dict[int, list[Placement]] = {}
     for placement in placements:
         nodes.setdefault(placement.node, []).append(placement)
-    num_gpus = sum(len(placement.gpus) for placement in placements)
+    num_gpus = len({(placement.node, gpu) for placement in placements for gpu in placement.gpus})  # colocate shares
     yield (f"layout: {cfg.world_size} ranks = {layout.num_trainer_ranks} trainer + {layout.num_rollout_ranks} "
            f"rollout" + (f"; {num_gpus} GPUs on {len(nodes)} node(s) of {layout.gpus_per_node} "
                          f"(layout.gpus_per_node)" if on_gpu else "; device=cpu: one machine, no GPUs"))
@@ -73,7 +76,14 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterato
             role = (f"rollout: vLLM engine (tensor parallel {layout.engine_tensor_parallel_size}) + "
                     f"{cfg.rollout.num_agent_workers} agent worker process(es)")
         yield f"  rank {placement.rank}: {where}{role}"
-    yield trainer_group_timeout(cfg).describe(cfg)
+    if layout.colocate:
+        yield ("colocated (layout.colocate): each engine shares its GPUs with trainer ranks" if on_gpu else
+               "colocated (layout.colocate): on CPU trainer and engine share the cores as in any CPU run; only the "
+               "refit backend and the engine's memory sizing follow the flag")
+    backend = resolve_backend(cfg.refit.backend, "cuda" if on_gpu else "cpu", colocate=layout.colocate)
+    yield (f"refit backend: {backend} (refit.backend={cfg.refit.backend}"
+           + (", layout.colocate: NCCL refuses two ranks on one GPU)" if layout.colocate and on_gpu else ")"))
+    yield trainer_group_timeout(cfg, checkpoint_bytes).describe(cfg)
     if not on_gpu:
         return
     # A rollout rank is one process; its engine's workers take its GPUs.
@@ -81,6 +91,16 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement]) -> Iterato
     yield ("note: at start-up every rank checks its host, LOCAL_RANK and GPUs against this placement "
            "(molt.placement.check_placement); each rollout rank pins its engine to its GPUs with "
            "CUDA_VISIBLE_DEVICES (molt.train.pin_engine_gpus); neither has run on GPUs yet")
+
+
+def estimate_checkpoint_bytes(cfg: MoltConfig, model: ModelFootprint) -> int:
+    """model.path's weight files where they are here, else parameters x model.dtype's width (what the
+    engine-start limit scales with)."""
+    import torch
+
+    from molt.config import checkpoint_bytes
+
+    return checkpoint_bytes(cfg.model.path) or model.num_params * getattr(torch, cfg.model.dtype).itemsize
 
 
 def resolve_architecture(cfg: MoltConfig) -> tuple[str, str]:
@@ -258,12 +278,15 @@ def _check_gpu_memory(cfg: MoltConfig, model: ModelFootprint, needed: float) -> 
     if gpu <= 0:
         yield "GPU memory: not checked (layout.gpu_memory_gigabytes=0)"
         return
-    kv_cache_bytes = cfg.rollout.kv_cache_bytes
+    memory = cfg.rollout.engine_memory(on_gpu=True, colocate=layout.colocate)
+    kv_cache_bytes = memory.get("kv_cache_memory_bytes")
     if kv_cache_bytes is None:  # a share of the GPU holds the weights, the activations and the KV cache
-        budget, engine_needs = cfg.rollout.engine_memory_fraction * gpu, engine
+        fraction = memory["gpu_memory_utilization"]
+        budget, engine_needs = fraction * gpu, engine
         sizing = f"rollout.engine_memory_fraction x layout.gpu_memory_gigabytes = {budget / GIB:.1f} GiB"
         engine_line = (f"engine weights {engine / GIB:.2f} GiB of the engine's {budget / GIB:.2f} GiB "
-                       f"(rollout.engine_memory_fraction={cfg.rollout.engine_memory_fraction:g})")
+                       f"(rollout.engine_memory_fraction={cfg.rollout.engine_memory_fraction:g}"
+                       + (", auto: 0.9 of its own GPU" if cfg.rollout.engine_memory_fraction <= 0 else "") + ")")
         fix = "raise rollout.engine_memory_fraction"
     else:  # the weights plus a KV cache of fixed size
         budget, engine_needs = gpu, engine + kv_cache_bytes
@@ -274,6 +297,17 @@ def _check_gpu_memory(cfg: MoltConfig, model: ModelFootprint, needed: float) -> 
     yield (f"GPU memory: {layout.gpu_memory_gigabytes:g} GiB (layout.gpu_memory_gigabytes); a trainer rank needs at "
            f"least {needed / GIB:.2f} GiB; {engine_line}")
     problems = []
+    if layout.colocate:  # the trainer rank has what the engine on its GPU leaves
+        trainer_share = gpu - budget
+        yield (f"colocated: the trainer rank on each GPU has {trainer_share / GIB:.1f} GiB = (1 - "
+               f"rollout.engine_memory_fraction) x layout.gpu_memory_gigabytes while its engine is awake"
+               + ("; rollout.sleep_while_training frees the engine's share during the step"
+                  if cfg.rollout.sleep_while_training else ""))
+        if needed > trainer_share:
+            problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but its engine leaves it "
+                            f"{trainer_share / GIB:.1f} GiB of the GPU: lower rollout.engine_memory_fraction (now "
+                            f"{cfg.rollout.engine_memory_fraction:g}), set train.cpu_offload, or shard finer over "
+                            f"more trainer ranks")
     if needed > gpu:
         problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
                         f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now "
@@ -343,9 +377,10 @@ def describe_context_parallel(cfg: MoltConfig) -> Iterator[str]:
 def dry_run_report(cfg: MoltConfig) -> Iterator[str]:
     """The dry run's lines, in order; raises ConfigError (naming the field) at the first problem."""
     validate_config(cfg, require_files=False)
-    yield from describe_placements(cfg, place_ranks(cfg.layout))
+    placements = place_ranks(cfg.layout)
     source, field = resolve_architecture(cfg)
     model = measure_model(cfg, source, field)
+    yield from describe_placements(cfg, placements, estimate_checkpoint_bytes(cfg, model))
     device = {"cpu": "cpu", "cuda": "cuda"}.get(cfg.device, "cuda where visible, else cpu")
     yield (f"trainer mesh: {model.mesh} over ranks 0-{cfg.layout.num_trainer_ranks - 1} (a fake process group of "
            f"{cfg.world_size} ranks; device type {device} at run time); FSDP2 units: {model.num_blocks} decoder "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from molt.agents.base import SamplingParams
-from molt.config import MoltConfig
+from molt.config import MoltConfig, resolve_enforce_eager
 from molt.images import ImageInputs, collapse_placeholders, count_stray_placeholders, image_digest, open_image
 from molt.route_capture import RouteTaker, count_unknown, dense_layer_indices, native_routes, route_capture_path
 from molt.routes import pad_routes
@@ -22,6 +22,7 @@ from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backen
 logger = logging.getLogger("molt")
 ENGINE_SHUTDOWN_SECONDS = 30.0  # longest wait for the engine core to exit before it is killed
 GIB = 2**30
+SLEEP_LEVEL = 1  # vLLM sleep level while the trainer steps: weights offloaded to host memory, KV cache freed
 
 
 @dataclass(kw_only=True)
@@ -96,6 +97,8 @@ class RolloutEngine:
         # prefix-cache hit gets its blocks' routes; only blocks the workers never computed count).
         self.unrouted_tokens = 0
         self._dense_layer_list: list[int] | None = None  # see _dense_layers
+        self.asleep = False  # vLLM sleep mode (rollout.sleep_while_training): see sleep / wake_up
+        self._sleep_lock = asyncio.Lock()
 
     @classmethod
     def start(cls, cfg: MoltConfig, *, seed: int) -> RolloutEngine:
@@ -106,7 +109,7 @@ class RolloutEngine:
 
         from molt.train import trainer_device_type
 
-        backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg))
+        backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg), colocate=cfg.layout.colocate)
         route_capture = route_capture_path(cfg, on_cpu=current_platform.is_cpu())
         args = build_engine_args(cfg, seed=seed, backend=backend, native_routes=route_capture == "native")
         vllm_config = None
@@ -343,6 +346,27 @@ class RolloutEngine:
             logger.exception("could not recover the engine's weight sync after a failed refit")
             return False
 
+    async def sleep(self, level: int = SLEEP_LEVEL) -> None:
+        """Free the engine's GPU memory while the trainer steps (rollout.sleep_while_training; GPU only).
+        vLLM's AsyncLLM.sleep pauses the scheduler first; mode 'wait' lets requests in flight finish
+        (the default 'abort' would drop them) and queues new ones until `wake_up`. Level 1 moves the
+        weights to host memory and drops the KV cache, so a refit that fails still finds the old
+        weights (level 2 drops them too). A no-op when asleep already."""
+        async with self._sleep_lock:
+            if self.asleep:
+                return
+            await self.llm.sleep(level=level, mode="wait")
+            self.asleep = True
+
+    async def wake_up(self) -> None:
+        """Bring weights and KV cache back and resume scheduling (AsyncLLM.wake_up with no tags wakes
+        everything, then the engine core resumes its scheduler); a no-op when awake."""
+        async with self._sleep_lock:
+            if not self.asleep:
+                return
+            await self.llm.wake_up()
+            self.asleep = False
+
     async def leave_refit_group(self) -> None:
         await self.weight_sync.leave(self.llm)
 
@@ -379,6 +403,7 @@ MOLT_ENGINE_ARGS = {
     "gpu_memory_utilization": "set rollout.engine_memory_fraction",
     "kv_cache_memory_bytes": "set rollout.kv_cache_gigabytes",
     "enforce_eager": "set rollout.enforce_eager",
+    "enable_sleep_mode": "set rollout.sleep_while_training",
     "worker_extension_cls": "set refit.receiver_cls",
     "weight_transfer_config": "set refit.backend",
     "logprobs_mode": "the trainer needs the log-probs of the distribution sampled from (processed_logprobs)",
@@ -432,9 +457,8 @@ def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str, native_routes
     if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
             sorted(os.sched_getaffinity(0)), tensor_parallel, cfg.rollout.engine_threads)
-    kv_cache_bytes = cfg.rollout.kv_cache_bytes
-    memory = ({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None
-              else {"gpu_memory_utilization": cfg.rollout.engine_memory_fraction})
+    on_gpu = not current_platform.is_cpu()
+    memory = cfg.rollout.engine_memory(on_gpu=on_gpu, colocate=cfg.layout.colocate)
     arguments = dict(
         model=cfg.model.path,
         dtype=cfg.model.dtype,
@@ -442,7 +466,9 @@ def build_engine_args(cfg: MoltConfig, *, seed: int, backend: str, native_routes
         max_model_len=cfg.rollout.max_length,
         **memory,
         tensor_parallel_size=tensor_parallel,
-        enforce_eager=cfg.rollout.enforce_eager,
+        enforce_eager=resolve_enforce_eager(cfg.rollout.enforce_eager, on_gpu=on_gpu),
+        # vLLM's sleep mode (cumem allocator) lets the engine hand its memory to the trainer rank on its GPU.
+        enable_sleep_mode=cfg.rollout.sleep_while_training,
         # Behaviour log-probs must be those of the distribution actually sampled from
         # (after temperature), because the trainer recomputes them at that temperature.
         logprobs_mode="processed_logprobs",
@@ -478,7 +504,9 @@ def describe_start_failure(cfg: MoltConfig, vllm_config, error: Exception) -> st
 
 def describe_memory_shortfall(cfg: MoltConfig, vllm_config) -> str | None:
     """What is wrong with the engine's memory settings, if that can be told from here."""
-    budget, needed = cfg.rollout.kv_cache_bytes, sequence_kv_cache_bytes(vllm_config)
+    on_gpu = vllm_config.device_config.device_type != "cpu"
+    budget = cfg.rollout.engine_memory(on_gpu=on_gpu, colocate=cfg.layout.colocate).get("kv_cache_memory_bytes")
+    needed = sequence_kv_cache_bytes(vllm_config)
     length = f"one rollout.max_length={cfg.rollout.max_length}-token sequence"
     setting = (f"rollout.kv_cache_gigabytes={cfg.rollout.kv_cache_gigabytes:g}" if cfg.rollout.kv_cache_gigabytes
                else "the default when rollout.kv_cache_gigabytes is unset")

@@ -63,11 +63,16 @@ class GpuClaim:
 def place_ranks(layout: LayoutConfig) -> list[Placement]:
     """Ranks in order fill nodes of `layout.gpus_per_node` GPUs: a trainer rank takes one GPU, a
     rollout rank its engine's `engine_tensor_parallel_size` GPUs (vLLM's own workers use them), on
-    one node. Trainers come first, so a trainer's GPU is its local rank (what `resolve_device` uses)."""
+    one node. Trainers come first, so a trainer's GPU is its local rank (what `resolve_device` uses).
+    With layout.colocate the engines start over from GPU 0: engine i shares the GPUs of trainer
+    ranks i x engine_tensor_parallel_size onwards (validate_config: one node, as many engine GPUs
+    as trainer ranks)."""
     gpus_per_node, tensor_parallel = layout.gpus_per_node, layout.engine_tensor_parallel_size
     placements, next_gpu, num_processes = [], 0, {}
     for rank in range(layout.num_trainer_ranks + layout.num_rollout_ranks):
         is_trainer = rank < layout.num_trainer_ranks
+        if layout.colocate and rank == layout.num_trainer_ranks:
+            next_gpu = 0
         width = 1 if is_trainer else tensor_parallel
         node, first = divmod(next_gpu, gpus_per_node)
         if first + width > gpus_per_node:
@@ -82,6 +87,11 @@ def place_ranks(layout: LayoutConfig) -> list[Placement]:
                                     gpus=tuple(range(first, first + width))))
         next_gpu += width
     return placements
+
+
+def count_node_gpus(placements: list[Placement], node: int) -> int:
+    """GPUs node `node` of the placement uses: its highest GPU index + 1."""
+    return max(gpu for placement in placements if placement.node == node for gpu in placement.gpus) + 1
 
 
 def count_per_node(placements: list[Placement]) -> list[int]:
@@ -135,11 +145,43 @@ def span(values: list[int]) -> str:
 
 # -- the start-up check ------------------------------------------------------------------------
 
-def node_gpu_ids(environ: dict, gpus_per_node: int) -> list[str]:
-    """The node's GPUs as the launcher shows them: CUDA_VISIBLE_DEVICES' entries (indices or UUIDs),
-    or 0..gpus_per_node-1 when it is unset."""
+def read_nvml_gpu_count() -> int | None:
+    """The GPUs the NVIDIA driver shows this machine, whatever CUDA_VISIBLE_DEVICES says; None where
+    there is no driver (a CPU machine). NVML creates no CUDA context, so a rollout rank may ask before
+    vLLM starts (the way torch counts without initialising CUDA: torch/cuda/__init__.py,
+    _raw_device_count_nvml, whose calls these are)."""
+    from ctypes import CDLL, byref, c_int
+
+    try:
+        nvml = CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    count = c_int(-1)
+    if nvml.nvmlInit() != 0 or nvml.nvmlDeviceGetCount_v2(byref(count)) != 0:
+        return None
+    return count.value
+
+
+def node_gpu_ids(environ: dict, gpus_per_node: int, nvml_count: int | None = None) -> list[str]:
+    """The node's GPUs as the launcher shows them: CUDA_VISIBLE_DEVICES' entries (indices or UUIDs);
+    when it is unset, the GPUs NVML counts (`nvml_count`, read_nvml_gpu_count), or, with no NVML
+    reading, 0..gpus_per_node-1."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",") if visible else [str(index) for index in range(gpus_per_node)]
+    if visible:
+        return visible.split(",")
+    count = gpus_per_node if nvml_count is None or nvml_count < 0 else nvml_count
+    return [str(index) for index in range(count)]
+
+
+def describe_gpu_shortfall(placements: list[Placement], node: int, *, host: str, node_gpus: list[str]) -> str:
+    """'' when host `host` shows every GPU that layout node `node` uses; else what is missing, with both counts."""
+    needed = count_node_gpus(placements, node)
+    if needed <= len(node_gpus):
+        return ""
+    return (f"the layout needs {needed} GPUs on node {node} (layout.gpus_per_node, layout.num_trainer_ranks, "
+            f"layout.num_rollout_ranks x layout.engine_tensor_parallel_size) but host {host} has {len(node_gpus)} "
+            f"({','.join(node_gpus) or 'none'}): shrink the layout to {len(node_gpus)} GPU(s) (layout.colocate=True "
+            f"shares them between trainer ranks and engines) or run on more GPUs")
 
 
 def describe_role(placement: Placement) -> str:
@@ -147,14 +189,17 @@ def describe_role(placement: Placement) -> str:
 
 
 def claim_gpus(placement: Placement, *, host: str, local_rank: int, local_world_size: int, node_gpus: list[str],
-               on_gpu: bool) -> GpuClaim:
+               on_gpu: bool, shortfall: str = "") -> GpuClaim:
     """What one rank will use: a trainer cuda:LOCAL_RANK (molt.train.resolve_device), a rollout rank
-    its placement's GPUs (molt.train.pin_engine_gpus), both as entries of the node's GPU list."""
+    its placement's GPUs (molt.train.pin_engine_gpus), both as entries of the node's GPU list.
+    `shortfall`: describe_gpu_shortfall's line for this rank's node, reported instead of the rank's own."""
     claim = GpuClaim(rank=placement.rank, host=host, local_rank=local_rank, local_world_size=local_world_size,
                      on_gpu=on_gpu)
     if not on_gpu:
         return claim
     indices = (local_rank,) if placement.is_trainer else placement.gpus
+    if shortfall:
+        return dataclasses.replace(claim, problem=shortfall)
     if max(indices) >= len(node_gpus):
         return dataclasses.replace(claim, problem=(
             f"rank {placement.rank} ({describe_role(placement)}) needs GPU index {max(indices)} of host {host}, "
@@ -170,7 +215,7 @@ def find_placement_problems(placements: list[Placement] | None, claims: list[Gpu
     if not claims[0].on_gpu or placements is None:
         return []
     by_rank = {claim.rank: claim for claim in claims}
-    return [*_capped([claim.problem for claim in claims if claim.problem]),
+    return [*_capped(list(dict.fromkeys(claim.problem for claim in claims if claim.problem))),
             *_capped(_gpu_overlaps(placements, by_rank)),
             *_capped(_local_rank_mismatches(placements, by_rank)),
             *_capped(_local_world_size_mismatches(placements, by_rank)),
@@ -184,7 +229,7 @@ def _gpu_overlaps(placements: list[Placement], claims: dict[int, GpuClaim]) -> l
             users.setdefault((claim.host, gpu), []).append(claim.rank)
     shared: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (host, ranks) -> the GPUs they share
     for (host, gpu), ranks in users.items():
-        if len(ranks) > 1:
+        if len(ranks) > 1 and not _placed_together(placements, claims, ranks, gpu):
             shared.setdefault((host, tuple(ranks)), []).append(gpu)
     lines = []
     for (host, ranks), gpus in shared.items():
@@ -192,6 +237,16 @@ def _gpu_overlaps(placements: list[Placement], claims: dict[int, GpuClaim]) -> l
         who = f"{', '.join(names[:-1])} and {names[-1]} {'both' if len(names) == 2 else 'all'}"
         lines.append(f"{who} use GPU{'s' if len(gpus) > 1 else ''} {','.join(gpus)} of host {host}")
     return lines
+
+
+def _placed_together(placements: list[Placement], claims: dict[int, GpuClaim], ranks: list[int], gpu: str) -> bool:
+    """Whether the placement itself puts `ranks` on `gpu` (layout.colocate: one trainer rank and the engine
+    sharing its GPU): every rank on one node, and `gpu` the same GPU index of each one's placement."""
+    indices = set()
+    for rank in ranks:
+        placement, claim = placements[rank], claims[rank]
+        indices.add((placement.node, placement.gpus[claim.gpus.index(gpu)]))
+    return len(indices) == 1 and sum(placements[rank].is_trainer for rank in ranks) <= 1
 
 
 def _local_rank_mismatches(placements: list[Placement], claims: dict[int, GpuClaim]) -> list[str]:
@@ -286,8 +341,9 @@ def check_placement(cfg: MoltConfig, rank: int, environ: dict, *, node_gpus: lis
                                            local_world_size=local_world_size, on_gpu=False)
     else:
         placements = place_ranks(cfg.layout)
+        shortfall = describe_gpu_shortfall(placements, placements[rank].node, host=host, node_gpus=node_gpus)
         claim = claim_gpus(placements[rank], host=host, local_rank=local_rank, local_world_size=local_world_size,
-                           node_gpus=node_gpus, on_gpu=on_gpu)
+                           node_gpus=node_gpus, on_gpu=on_gpu, shortfall=shortfall if on_gpu else "")
     problems = find_placement_problems(placements, gather_claims(claim, group))
     if problems:
         raise placement_error(placements, problems)

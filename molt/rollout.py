@@ -48,6 +48,14 @@ def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerA
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
 
 
+
+def wakes_engine(message_type: str) -> bool:
+    """Whether a message from the controller needs the engine awake (rollout.sleep_while_training):
+    a refit loads weights into it, a rollout and a score run it. The engine sleeps on 'sleep', which
+    the trainer sends once it has a step's rollouts, and wakes at whichever of these comes next, so an
+    engine also wakes when a step updated nothing and no refit follows."""
+    return message_type in ("refit", "rollout", "score")
+
 class RolloutService:
     def __init__(self, cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str):
         self.cfg = cfg
@@ -78,7 +86,7 @@ class RolloutService:
         self.resources = ProcessResourceSampler("rollout_rank")
         await self.send({"type": "ready", "rank": self.rank})
         handlers = {"rollout": self.run_rollout, "join_refit": self.join_refit, "refit": self.refit,
-                    "leave_refit": self.leave_refit, "score": self.score}
+                    "leave_refit": self.leave_refit, "score": self.score, "sleep": self.sleep_engine}
         try:
             while True:
                 message = unpack(await self.socket.recv())
@@ -88,6 +96,8 @@ class RolloutService:
                 if handler is None:
                     logger.warning("rollout rank %d: ignoring unknown message type %r", self.rank, message["type"])
                     continue
+                if wakes_engine(message["type"]):  # an engine asleep (rollout.sleep_while_training) wakes first
+                    handler = self.woken(handler)
                 self.spawn_task(self.guarded(handler, message))
         finally:
             self.lag.stop()  # stopping the engine blocks this loop: not a lag to warn about
@@ -127,6 +137,16 @@ class RolloutService:
             await self.endpoint.start()
         self.workers.attach(engine=self.engine, endpoint=self.endpoint)
         await self.workers.wait_ready()
+
+    async def sleep_engine(self, message: dict) -> None:
+        """'sleep': the trainer steps; the engine frees its GPU memory until the next message that needs it."""
+        await self.engine.sleep()
+
+    def woken(self, handler):
+        async def run_awake(message: dict) -> None:
+            await self.engine.wake_up()  # before a refit pauses the engine, or a request or score uses it
+            await handler(message)
+        return run_awake
 
     def spawn_task(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)

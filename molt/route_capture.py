@@ -87,7 +87,7 @@ def route_capture_path(cfg, *, on_cpu: bool) -> str | None:
         return None
     if not on_cpu:
         return "native"
-    if not cfg.rollout.enforce_eager:
+    if cfg.rollout.enforce_eager is False:
         from molt.config import ConfigError
 
         raise ConfigError("rollout.enforce_eager=False on a CPU engine compiles the model, and a compiled MoE layer "

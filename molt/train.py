@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, config_warnings, load_config,
-                         validate_config)
+from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_device_options, config_warnings,
+                         engine_start_limit_seconds, load_config, validate_config)
 from molt.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
 
@@ -73,7 +73,9 @@ class TrainerGroupTimeout:
         check = " + the refit check's scoring" if refit.check_every_steps else ""
         parts = [
             f"engine start {self.engine_start_seconds:,.0f} s ({TRAINER_HELLO_SECONDS} s hellos + "
-            f"rollout.engine_start_timeout_seconds={cfg.rollout.engine_start_timeout_seconds:g})",
+            f"{self.engine_start_seconds - TRAINER_HELLO_SECONDS:,.0f} s: rollout.engine_start_timeout_seconds="
+            f"{cfg.rollout.engine_start_timeout_seconds:g}"
+            + (", auto: 300 s + 1.25 s per GiB of checkpoint per engine of a node)" if cfg.rollout.engine_start_timeout_seconds <= 0 else ")"),
             f"refit {self.refit_seconds:,.0f} s (refit.max_attempts={refit.max_attempts} x (attempt + group build: "
             f"3 x refit.timeout_seconds={refit.timeout_seconds:g}){check})",
             f"batch {self.batch_seconds:,.0f} s (agent.rollout_timeout_seconds={cfg.agent.rollout_timeout_seconds:g} "
@@ -82,12 +84,13 @@ class TrainerGroupTimeout:
         return f"trainer group timeout: {total:,.0f} s ({total / 3600:.1f} h) = " + " + ".join(parts)
 
 
-def trainer_group_timeout(cfg: MoltConfig) -> TrainerGroupTimeout:
+def trainer_group_timeout(cfg: MoltConfig, checkpoint_bytes: int | None = None) -> TrainerGroupTimeout:
     """The trainer group's collective timeout, from the waits rank 0 may make while ranks 1.. sit in
-    a collective (TrainerGroupTimeout's fields say which)."""
+    a collective (TrainerGroupTimeout's fields say which). `checkpoint_bytes`: the model's size when
+    model.path is not on this machine (--dry-run), for the automatic engine-start limit."""
     refit = cfg.refit
     return TrainerGroupTimeout(
-        engine_start_seconds=TRAINER_HELLO_SECONDS + cfg.rollout.engine_start_timeout_seconds,
+        engine_start_seconds=TRAINER_HELLO_SECONDS + engine_start_limit_seconds(cfg, checkpoint_bytes),
         refit_seconds=(refit.max_attempts * 3 * refit.timeout_seconds
                        + (refit.timeout_seconds if refit.check_every_steps else 0.0)),
         batch_seconds=cfg.agent.rollout_timeout_seconds * 2 + 60 + cfg.payloads.fetch_timeout_seconds)
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         if not args.dry_run:  # the dry run validates without the files and the job's world size
             validate_config(cfg, world_size=world_size if launched else None)
-            check_cpu_offload(cfg, trainer_device_type(cfg))
+            check_device_options(cfg, trainer_device_type(cfg))
             if launched and cfg.checkpoint.interval_steps and not cfg.checkpoint.resume:
                 from molt.checkpoint import check_fresh_start
 
@@ -304,18 +307,19 @@ def read_prompt_rows(cfg: MoltConfig) -> list[PromptRow]:
     return rows
 
 
-def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict) -> None:
+def pin_engine_gpus(cfg: MoltConfig, rank: int, environ: dict, node_gpus: list[str] | None = None) -> None:
     """Make a rollout rank's engine start on its own GPUs (molt.placement.place_ranks: trainers take
     the first GPUs of a node, each engine the next engine_tensor_parallel_size), not on the node's
     first ones, where vLLM starts by default. Indices go through a CUDA_VISIBLE_DEVICES the launcher
     set for the whole node; where it shows too few GPUs nothing is pinned and the start-up placement
-    check names the rank. Not checked on a GPU yet (the CUDA build of vLLM is not on the machines
-    Molt is tested on)."""
+    check names the rank. `node_gpus`: the node's GPUs (molt.placement.node_gpu_ids), read from
+    `environ` when None. With layout.colocate the GPUs are the trainer ranks' (shared). Not checked on
+    a GPU yet (the CUDA build of vLLM is not on the machines Molt is tested on)."""
     if cfg.device == "cpu":
         return
     from molt.placement import node_gpu_ids, place_ranks
 
-    gpus, ids = place_ranks(cfg.layout)[rank].gpus, node_gpu_ids(environ, cfg.layout.gpus_per_node)
+    gpus, ids = place_ranks(cfg.layout)[rank].gpus, node_gpus or node_gpu_ids(environ, cfg.layout.gpus_per_node)
     if gpus[-1] < len(ids):
         environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[gpu] for gpu in gpus)
 
@@ -326,7 +330,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
 
     from molt.checkpoint import STOP_REQUEST
     from molt.parallelize import build_trainer_mesh
-    from molt.placement import check_placement, node_gpu_ids
+    from molt.placement import check_placement, node_gpu_ids, read_nvml_gpu_count
     from molt.rollout import run_rollout_rank
     from molt.trainer import Trainer
     from molt.wire import ControllerAddress, Router
@@ -338,9 +342,11 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
         STOP_REQUEST.install()  # SIGUSR1: a checkpoint at the next step boundary, then exit 0
     else:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited by its engine and agent workers
-    node_gpus = node_gpu_ids(os.environ, cfg.layout.gpus_per_node)  # before a rollout rank pins its own
+    # Before a rollout rank pins its own; what the node really has (NVML) where the launcher set no list.
+    nvml_count = read_nvml_gpu_count() if cfg.device != "cpu" else None
+    node_gpus = node_gpu_ids(os.environ, cfg.layout.gpus_per_node, nvml_count)
     if not is_trainer:
-        pin_engine_gpus(cfg, rank, os.environ)  # before anything in this process touches CUDA
+        pin_engine_gpus(cfg, rank, os.environ, node_gpus)  # before anything in this process touches CUDA
     device_type = trainer_device_type(cfg) if is_trainer else "cpu"
     if device_type == "cuda" and not torch.cuda.is_available():  # before NCCL fails to start, less clearly
         raise ConfigError(NO_CUDA)
@@ -348,7 +354,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     # The world group is used for rendezvous and the placement check only; training collectives use
     # the trainer group.
     dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.rollout.engine_start_timeout_seconds + 600))
+                            timeout=datetime.timedelta(seconds=engine_start_limit_seconds(cfg) + 600))
     # Every rank's host, LOCAL_RANK and GPUs against the placement, before a trainer takes cuda:LOCAL_RANK.
     check_placement(cfg, rank, os.environ, node_gpus=node_gpus, group=dist.group.WORLD,
                     on_gpu=device_type == "cuda" if is_trainer else cfg.device != "cpu")

@@ -122,6 +122,7 @@ class Trainer:
             started = time.perf_counter()
             with self.timer.stage("rollout"):
                 experiences, info, micro_batch_counts, rollout_metrics = self.next_batch(step)
+            self.sleep_engines()
             with self.timer.stage("train"):
                 windows = build_windows(
                     experiences, num_windows=len(micro_batch_counts), micro_batch_counts=micro_batch_counts,
@@ -324,6 +325,12 @@ class Trainer:
         raise RolloutsFailedError(message)
 
     # -- batches ---------------------------------------------------------------------------
+
+    def sleep_engines(self) -> None:
+        """rollout.sleep_while_training: the step's rollouts are in, so the engines free their GPU memory
+        for the step; each wakes at its next refit, rollout or score (molt.rollout.wakes_engine)."""
+        if self.is_controller and self.cfg.rollout.sleep_while_training:
+            self.controller.send_to_rollout_ranks({"type": "sleep"})
 
     def next_batch(self, step: int) -> tuple[list[Experience], BatchInfo, list[int], dict[str, float]]:
         """This rank's experiences, the batch's rewards and groups, the micro-batch count of each

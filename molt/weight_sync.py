@@ -111,15 +111,25 @@ def refit_world_size(num_engines: int, tensor_parallel_size: int) -> int:
     return 1 + num_engines * tensor_parallel_size
 
 
-def resolve_backend(backend: str, trainer_device_type: str) -> str:
-    """'gloo' or 'nccl' from refit.backend ('auto' = nccl when the trainer computes on CUDA)."""
-    if backend == "auto":
-        return "nccl" if trainer_device_type == "cuda" else "gloo"
-    if backend not in BACKENDS:
+def resolve_backend(backend: str, trainer_device_type: str, *, colocate: bool = False) -> str:
+    """'gloo' or 'nccl' from refit.backend ('auto' = nccl when the trainer computes on CUDA and every
+    engine has GPUs of its own; gloo otherwise).
+
+    Colocated (layout.colocate), the sender (trainer rank 0) and engine 0's worker sit on one GPU, and
+    NCCL refuses a communicator with two ranks on one device ("Duplicate GPU detected", NCCL's
+    init.cc; vLLM's NCCL weight-transfer engine builds exactly that group), so refit goes through host
+    memory over gloo. vLLM 0.32's CUDA-IPC engine (vllm/distributed/weight_transfer/ipc_engine.py)
+    would share the GPU tensors without a copy: the faster option for later (docs/gpu.md)."""
+    if backend not in ("auto", *BACKENDS):
         raise ConfigError(f"refit.backend={backend!r}: use auto, gloo or nccl")
+    if backend == "auto":
+        return "nccl" if trainer_device_type == "cuda" and not colocate else "gloo"
     if backend == "nccl" and trainer_device_type != "cuda":
         raise ConfigError(f"refit.backend='nccl' but the trainer computes on {trainer_device_type}: NCCL moves GPU "
                           f"memory; set refit.backend=gloo (or auto)")
+    if backend == "nccl" and colocate:
+        raise ConfigError("refit.backend='nccl' with layout.colocate=True: the sender and an engine share a GPU and "
+                          "NCCL refuses a duplicate GPU in one communicator; set refit.backend=auto (gloo)")
     return backend
 
 
@@ -127,7 +137,7 @@ def build_sender(cfg: MoltConfig, model: torch.nn.Module, *, is_sender: bool, de
     """The trainer half of the configured backend (every trainer rank builds one)."""
     kwargs = dict(is_sender=is_sender, bucket_bytes=int(cfg.refit.bucket_megabytes * 2**20),
                   timeout_seconds=cfg.refit.timeout_seconds, engine_dtype=cfg.model.dtype)
-    if resolve_backend(cfg.refit.backend, device_type) == "nccl":
+    if resolve_backend(cfg.refit.backend, device_type, colocate=cfg.layout.colocate) == "nccl":
         from molt.weight_sync_nccl import NcclSender
 
         return NcclSender(model, **kwargs)

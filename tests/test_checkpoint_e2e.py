@@ -3,6 +3,7 @@ mid-run and resumed with checkpoint.resume=auto (RELIABILITY 13-16)."""
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -103,8 +104,12 @@ def _sets(tiny_model_dir, data_dir, out, **fields) -> list[str]:
 def straight_sets(tiny_model_dir, data_dir, out) -> list[str]:
     """The uninterrupted run that tests/shared_jobs.py's straight_run makes once for the session:
     the schedule, a checkpoint after every step (tests/test_resume_e2e.py resumes from them)."""
+    # Colocated (layout.colocate): on CPU it changes nothing the comparisons see, which the resumed,
+    # not colocated, runs check; it runs the colocated control flow (placement, refit backend, engine
+    # memory) end to end in CI without a job of its own.
     return _sets(tiny_model_dir, data_dir, out, **SCHEDULE, **{"checkpoint.interval_steps": 1,
-                                                               "checkpoint.keep_last": NUM_STEPS})
+                                                               "checkpoint.keep_last": NUM_STEPS,
+                                                               "layout.colocate": True})
 
 
 def write_eight_prompts(data: Path, demo_data_dir) -> Path:
@@ -202,3 +207,14 @@ def test_a_fresh_job_into_an_old_runs_checkpoint_directory_fails_fast_and_keeps_
             f"(steps {INTERVAL})") in done.stderr
     assert "checkpoint.resume=auto" in done.stderr and "checkpoint.overwrite=true" in done.stderr
     assert (old / "COMPLETE").is_file()
+
+
+def test_the_straight_run_trains_colocated(straight_run):
+    """The session's straight run is colocated: it trained every step and refit over gloo."""
+    assert straight_run.returncode == 0, straight_run.stderr[-4000:]
+    assert "colocated (layout.colocate): on CPU trainer and engine share the cores" in straight_run.stderr
+    assert "refit backend: gloo (refit.backend=auto)" in straight_run.stderr
+    rows = [json.loads(line) for line in (straight_run.out / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row.get("step", 0) >= 1 and "train/loss" in row]
+    assert len(steps) == NUM_STEPS and all(math.isfinite(row["reward/mean"]) for row in steps)
+    assert steps[-1]["policy_version"] == NUM_STEPS  # every step's weights reached the engine

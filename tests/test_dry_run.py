@@ -18,6 +18,7 @@ from molt.train import trainer_group_timeout
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_RECIPE = ROOT / "configs" / "qwen3_30b_a3b_math_tool.py"
 MOE_1T_RECIPE = ROOT / "configs" / "moe_1t.py"
+QWEN3_1_7B_RECIPE = ROOT / "configs" / "qwen3_1_7b_math_tool.py"
 GIB = 2**30
 
 
@@ -83,7 +84,8 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert "rank 8: node 1, local rank 0, GPU 0: rollout: vLLM engine (tensor parallel 1)" in out
     assert "rank 15: node 1, local rank 7, GPU 7: rollout" in out
     assert "launch: torchrun --nnodes 2 --nproc_per_node 8" in out
-    assert "trainer group timeout: 7,800 s (2.2 h)" in out
+    # Engine start scales with the 57 GiB bf16 checkpoint (300 s + 10 s per GiB), not a fixed 300 s.
+    assert "trainer group timeout: 8,369 s (2.3 h) = engine start 989 s (120 s hellos + 869 s" in out
     assert "trainer mesh: DeviceMesh((dp_shard=8)" in out and "fake process group of 16 ranks" in out
     assert "dp_replicate 1 x dp_shard 8 x tp 1, 8 data-parallel rank(s)" in out
     assert "model: Qwen3MoeForCausalLM" in out and "(model.config_path)" in out
@@ -106,6 +108,34 @@ def test_qwen3_30b_a3b_recipe_passes_dry_run(tmp_path):
     assert out.rstrip().endswith("ok: the config is valid for 16 ranks")
 
 
+@pytest.mark.parametrize("function, ranks, placed, engine_start", [
+    ("one_gpu", "2 ranks = 1 trainer + 1 rollout; 1 GPUs on 1 node(s) of 1",
+     "  rank 1: node 0, local rank 1, GPU 0: rollout", "engine start 424 s (120 s hellos + 304 s"),
+    ("one_node", "16 ranks = 8 trainer + 8 rollout; 8 GPUs on 1 node(s) of 8",
+     "  rank 15: node 0, local rank 15, GPU 7: rollout", "engine start 452 s (120 s hellos + 332 s")])
+def test_the_small_dense_recipes_pass_dry_run_colocated(tmp_path, function, ranks, placed, engine_start):
+    """The 1-GPU and 1-node recipes: engines on the trainer ranks' GPUs, gloo refit, the memory split."""
+    result = run_dry_run(Path(f"{QWEN3_1_7B_RECIPE}:{function}"), checkpoints=tmp_path / "absent")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"layout: {ranks} (layout.gpus_per_node)" in out
+    assert placed in out
+    assert "refit backend: gloo (refit.backend=auto, layout.colocate: NCCL refuses two ranks on one GPU)" in out
+    assert "parameters: 1,720,574,976 = 1,720,574,976 dense" in out  # Qwen3-1.7B, tied embeddings
+    # The engine start limit scales with the bf16 checkpoint (3.2 GiB) and the engines reading it at once.
+    assert engine_start in out
+    assert ("colocated: the trainer rank on each GPU has 51.4 GiB = (1 - rollout.engine_memory_fraction) x "
+            "layout.gpu_memory_gigabytes") in out
+    assert "ok: the config is valid" in out
+
+
+def test_a_colocated_trainer_that_does_not_fit_beside_its_engine_fails_naming_the_field(tmp_path):
+    result = run_dry_run(Path(f"{QWEN3_1_7B_RECIPE}:one_gpu"), "rollout.engine_memory_fraction=0.7",
+                         checkpoints=tmp_path / "absent")
+    assert result.returncode == 2
+    assert "its engine leaves it 23.7 GiB of the GPU: lower rollout.engine_memory_fraction (now 0.7)" in result.stderr
+
+
 def test_moe_1t_recipe_passes_dry_run(tmp_path):
     result = run_dry_run(MOE_1T_RECIPE, checkpoints=tmp_path / "absent")
     assert result.returncode == 0, result.stderr
@@ -116,7 +146,7 @@ def test_moe_1t_recipe_passes_dry_run(tmp_path):
     assert "rank 135: node 23, local rank 0, GPUs 0-7: rollout" in out
     assert ("launch: sbatch --nodes 24 launch/slurm_srun.sbatch ... (per-node task counts 8(x16),1(x8); "
             "torchrun cannot start this layout)") in out
-    assert "trainer group timeout: 26,400 s (7.3 h)" in out
+    assert "trainer group timeout: 28,790 s (8.0 h)" in out
     assert "every rank checks its host, LOCAL_RANK and GPUs against this placement" in out
     assert "each rollout rank pins its engine to its GPUs with CUDA_VISIBLE_DEVICES" in out
     assert "trainer mesh: DeviceMesh((dp_shard=128)" in out and "fake process group of 136 ranks" in out
@@ -179,7 +209,7 @@ def test_the_trainer_group_outwaits_the_refits_and_the_rollouts(monkeypatch):
     refit, agent = cfg.refit, cfg.agent
     # Every refit attempt, each with a refit-group build (rendezvous + joins), while ranks 1.. wait.
     assert timeout.refit_seconds == refit.max_attempts * 3 * refit.timeout_seconds == 21600
-    assert timeout.engine_start_seconds == 120 + cfg.rollout.engine_start_timeout_seconds
+    assert timeout.engine_start_seconds == 120 + 300  # auto, no checkpoint here: 300 s + 10 s per GiB of nothing
     assert timeout.batch_seconds == agent.rollout_timeout_seconds * 2 + 60 + cfg.payloads.fetch_timeout_seconds
     assert timeout.total_seconds == 420 + 21600 + 3780 + 600
     assert timeout.total_seconds > refit.max_attempts * refit.timeout_seconds + agent.rollout_timeout_seconds
