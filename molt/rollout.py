@@ -48,13 +48,13 @@ def run_rollout_rank(cfg: MoltConfig, rank: int, controller_address: ControllerA
     asyncio.run(RolloutService(cfg, rank, controller_address, host).serve())
 
 
-
 def wakes_engine(message_type: str) -> bool:
     """Whether a message from the controller needs the engine awake (rollout.sleep_while_training):
     a refit loads weights into it, a rollout and a score run it. The engine sleeps on 'sleep', which
     the trainer sends once it has a step's rollouts, and wakes at whichever of these comes next, so an
     engine also wakes when a step updated nothing and no refit follows."""
     return message_type in ("refit", "rollout", "score")
+
 
 class RolloutService:
     def __init__(self, cfg: MoltConfig, rank: int, controller_address: ControllerAddress, host: str):
