@@ -149,7 +149,9 @@ def test_job_bench_smoke(name, figure_names, straight_run, tmp_path, monkeypatch
     assert lines[-1]["command"].startswith("python ")
     records = lines[:-1]
     assert {record["figure"] for record in records} == figure_names
-    steps = len(json_lines((straight_run.out / "metrics.jsonl").read_text()))
+    rows = json_lines((straight_run.out / "metrics.jsonl").read_text())
+    steps = sum(1 for row in rows if row.get("step", 0) >= 1)  # the optimizer steps' rows
+    assert steps == 4  # the straight run: 4 steps
     jobs = [record for record in records if record["figure"] in ("async_job", "moe_job")]
     for job in jobs:
         assert job["run_dir"] == str(straight_run.out) and job["steps"] == steps - 1 and job["wall_seconds"] is None

@@ -71,7 +71,7 @@ def run_mesh_part(cpu_smoke: bool) -> None:
     try:
         mesh = build_trainer_mesh(num_trainer_ranks=dist.get_world_size(), device_type=device_type,
                                   timeout_seconds=MESH_TIMEOUT_SECONDS)
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         groups = {"dp_group": mesh.dp_group, "fsdp_mesh": mesh.fsdp_mesh.get_group()}
         results = {}
         for name, group in groups.items():

@@ -604,7 +604,8 @@ def gpu_scale_figure(args) -> list[dict]:
               "logprob_chunk_tokens": args.gpu_chunk_tokens,
               "attn_implementation": actor.model.config._attn_implementation,
               "warmup_steps": args.gpu_warmup_steps, "measured_steps": args.gpu_steps, "all_stepped": all(stepped),
-              "path": f"Actor.train_window, one packed micro-batch, FSDP2 on 1 {'NCCL' if device.type == 'cuda' else 'gloo'} rank"}
+              "path": "Actor.train_window, one packed micro-batch, FSDP2 on 1 "
+                      + ("NCCL" if device.type == "cuda" else "gloo") + " rank"}
     return [
         {"figure": "gpu_peak_memory_bytes", "value": peak_bytes, "baseline": static_bytes,
          "ratio": None if peak_bytes is None else round(peak_bytes / static_bytes, 3), "target": None,
