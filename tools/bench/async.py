@@ -18,7 +18,11 @@ then the command that produced them:
 
     python tools/bench/async.py [--steps 30] [--warmup-steps 5] [--max-staleness 2] [--prompts 16]
         [--samples 8] [--max-tokens 16] [--latency-median 0.2] [--latency-sigma 1.0] [--latency-cap 1.0]
-        [--hidden-size 384] [--out-dir runs/bench-async]
+        [--hidden-size 384] [--out-dir runs/bench-async] [--smoke RUN_DIR]
+
+--smoke RUN_DIR (CI, tests/test_bench_smoke.py) starts no job: it checks both jobs' recipes with
+molt.train --dry-run and summarizes RUN_DIR's metrics.jsonl (a finished run) as both jobs'; its
+figures mean nothing, it keeps the script from rotting.
 
 The default workload puts the slowest tool call of a step (the cap) near the trainer's step time:
 streaming hides tool latency up to about k steps of training; past that the trainer waits. The
@@ -29,45 +33,33 @@ shared CPU cores, so the trainer waits for generation however far rollouts run a
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_fixtures import load_test_fixtures
+from bench_fixtures import check_job, load_test_fixtures, read_metrics, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGENT = Path(__file__).resolve().parent / "long_tail_agent.py"
 
 
-def run_job(args, model_dir: Path, data_dir: Path, out: Path, *, max_staleness: int) -> float:
-    """One molt.train job; returns its wall seconds. Streaming = max_staleness > 0 (partial rollout on)."""
-    sets = {"model.path": model_dir, "data.train_path": data_dir / "train.jsonl", "agent.path": AGENT,
+def job_sets(args, model_dir: Path, data_dir: Path, out: Path, *, max_staleness: int) -> dict:
+    """One job's --set values. Streaming = max_staleness > 0 (partial rollout on)."""
+    return {"model.path": model_dir, "data.train_path": data_dir / "train.jsonl", "agent.path": AGENT,
             "metrics.output_dir": out, "train.num_steps": args.steps, "train.learning_rate": 1e-4,
             "rollout.prompts_per_step": args.prompts, "rollout.n_samples_per_prompt": args.samples,
             "rollout.max_response_tokens": args.max_tokens, "rollout.max_length": 128,
             "refit.check_every_steps": 0, "algorithm.importance_level": "token",
             "algorithm.importance_mode": "trunc", "algorithm.max_staleness": max_staleness,
             "rollout.partial_rollout": max_staleness > 0}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "molt.train", "--config", str(REPO_ROOT / "configs" / "demo.py")]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "MOLT_BENCH_LATENCY_MEDIAN_SECONDS": str(args.latency_median),
-           "MOLT_BENCH_LATENCY_SIGMA": str(args.latency_sigma),
-           "MOLT_BENCH_LATENCY_CAP_SECONDS": str(args.latency_cap)}
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(out / "job.log", "w") as log:
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the max_staleness={max_staleness} job failed (exit {done.returncode}); "
-                         f"its output: {out / 'job.log'}")
-    return time.perf_counter() - started
+
+
+def latency_env(args) -> dict[str, str]:
+    """The tool latency settings, read by the agent workers (tools/bench/long_tail_agent.py)."""
+    return {"MOLT_BENCH_LATENCY_MEDIAN_SECONDS": str(args.latency_median),
+            "MOLT_BENCH_LATENCY_SIGMA": str(args.latency_sigma),
+            "MOLT_BENCH_LATENCY_CAP_SECONDS": str(args.latency_cap)}
 
 
 def build_model(fixtures, hidden_size: int) -> Path:
@@ -80,7 +72,7 @@ def build_model(fixtures, hidden_size: int) -> Path:
 
 
 def summarize(out: Path, warmup_steps: int) -> dict:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     measured = [r for r in rows if r["step"] > warmup_steps]
     if not measured:
         raise SystemExit(f"{out}: no step after the {warmup_steps} warm-up steps; raise --steps")
@@ -115,16 +107,26 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=384,
                         help="hidden size of the generated 2-layer model (0: the tests' tiny model, 128)")
     parser.add_argument("--out-dir", default="runs/bench-async", help="the two jobs' run directories and logs")
+    parser.add_argument("--smoke", type=Path, metavar="RUN_DIR",
+                        help="CI's smoke run: check each job's recipe with molt.train --dry-run instead of running "
+                             "it, and summarize RUN_DIR (a finished molt.train run) as both jobs' metrics")
     args = parser.parse_args()
     fixtures = load_test_fixtures()
-    model_dir, data_dir = build_model(fixtures, args.hidden_size), fixtures.build_cached_demo_data()
+    # --smoke: the tests' tiny model (cached by the test session) instead of building the hidden-384 one.
+    model_dir = build_model(fixtures, 0 if args.smoke else args.hidden_size)
+    data_dir = fixtures.build_cached_demo_data()
     figures = {}
     for name, staleness in (("synchronous", 0), ("streaming", args.max_staleness)):
         out = (REPO_ROOT / args.out_dir / name).resolve()
-        wall = run_job(args, model_dir, data_dir, out, max_staleness=staleness)
+        sets = job_sets(args, model_dir, data_dir, out, max_staleness=staleness)
+        if args.smoke:
+            check_job(sets, name=name)
+            wall, out = None, args.smoke
+        else:
+            wall = round(run_job(sets, out, name=name, extra_env=latency_env(args)), 1)
         figures[name] = summarize(out, args.warmup_steps)
         emit({"figure": "async_job", "job": name, "max_staleness": staleness, "partial_rollout": staleness > 0,
-              "wall_seconds": round(wall, 1), **{k: round(v, 4) for k, v in figures[name].items()}})
+              "wall_seconds": wall, "run_dir": str(out), **{k: round(v, 4) for k, v in figures[name].items()}})
     sync, stream = figures["synchronous"], figures["streaming"]
     emit({"figure": "async_trained_samples_per_second", "synchronous": round(sync["trained_samples_per_second"], 2),
           "streaming": round(stream["trained_samples_per_second"], 2),

@@ -28,7 +28,7 @@ One run prints one JSON line per figure, then the command that produced them:
 - capture_sdk_client_construction_ms: p50 time to build one AsyncOpenAI with the SDK's own
   per-client CA loading and with Molt's shared default TLS context.
 
-    python tools/bench/capture.py [--rollouts 256] [--concurrency 32] [--max-tokens 16 128] [--rounds 3]
+    python tools/bench/capture.py [--rollouts 256] [--concurrency 32] [--max-tokens 16 128] [--rounds 3] [--smoke]
 """
 
 import argparse
@@ -44,13 +44,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_fixtures import load_repo_module, load_test_fixtures
+from bench_fixtures import load_repo_module, load_test_fixtures, parse_with_smoke
 
 # vLLM, the OpenAI SDK and molt are imported inside functions: vLLM's engine core is spawned and
 # re-imports this module, and should not pay for them.
 
 MAX_LENGTH = 256
 MODEL_NAME = "molt-tiny"
+# --smoke (CI): 4 rollouts a round, 2 in flight, 4-token answers, 1 round, 2 sequential requests.
+SMOKE_DEFAULTS = dict(rollouts=4, concurrency=2, max_tokens=[4], rounds=1, sequential_requests=2)
 
 
 @dataclass(kw_only=True)
@@ -296,9 +298,20 @@ def measure_client_construction(repeats: int = 20) -> dict:
 
 # -- main -----------------------------------------------------------------------------------------
 
-async def run_benchmark(args, model_dir: Path) -> None:
+async def measure_paths(engine, endpoint, args) -> None:
+    """Every figure but the client construction's, on a running engine and its started endpoint
+    (tests/test_bench_smoke.py calls this on the tests' shared engine, named MODEL_NAME too)."""
     import aiohttp
 
+    async with aiohttp.ClientSession() as http:
+        paths = build_paths(engine, endpoint, http)
+        for max_tokens in args.max_tokens:
+            workload = build_workload(args.rollouts, max_tokens, args.seed)
+            report_concurrent(await run_concurrent(paths, workload, args), args, max_tokens)
+            report_sequential(await run_sequential(paths, workload, args.sequential_requests), max_tokens)
+
+
+async def run_benchmark(args, model_dir: Path) -> None:
     from molt.config import MoltConfig
     from molt.endpoint.server import SessionEndpoint
     from molt.engine import RolloutEngine
@@ -310,21 +323,15 @@ async def run_benchmark(args, model_dir: Path) -> None:
     cfg.rollout.kv_cache_gigabytes = 0.25  # ~262k tokens of the tiny model, whatever the machine
     engine = RolloutEngine.start(cfg, seed=0)
     endpoint = SessionEndpoint(engine, engine.tokenizer, model_name=MODEL_NAME)
-    http = aiohttp.ClientSession()
     try:
         await endpoint.start()
-        paths = build_paths(engine, endpoint, http)
-        for max_tokens in args.max_tokens:
-            workload = build_workload(args.rollouts, max_tokens, args.seed)
-            report_concurrent(await run_concurrent(paths, workload, args), args, max_tokens)
-            report_sequential(await run_sequential(paths, workload, args.sequential_requests), max_tokens)
+        await measure_paths(engine, endpoint, args)
     finally:
-        await http.close()
         await endpoint.stop()
         engine.shutdown()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=256, help="rollouts per timed round and path")
     parser.add_argument("--concurrency", type=int, default=32, help="rollouts in flight at once")
@@ -334,10 +341,19 @@ def main() -> None:
     parser.add_argument("--sequential-requests", type=int, default=48,
                         help="requests per path at concurrency 1")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = parse_with_smoke(build_parser(), SMOKE_DEFAULTS, argv)
     if min(args.rollouts, args.concurrency, *args.max_tokens, args.rounds, args.sequential_requests) < 1:
         raise SystemExit("--rollouts, --concurrency, --max-tokens, --rounds and --sequential-requests "
                          "must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the JSON lines readable
     fixtures = load_test_fixtures()
     model_dir = fixtures.build_cached_tiny_model()

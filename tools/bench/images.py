@@ -22,28 +22,29 @@ controller's bytes per rollout against the images' bytes per trained experience,
 trainer rank 0's RSS from the first step after --warmup-steps to the last), then the command.
 
     python tools/bench/images.py [--steps 10] [--warmup-steps 2] [--screenshots 15] [--prompts 8]
-        [--samples 8] [--out-dir runs/bench-images]
+        [--samples 8] [--out-dir runs/bench-images] [--smoke RUN_DIR]
+
+--smoke RUN_DIR (CI, tests/test_bench_smoke.py) starts no job: it checks the job's recipe with
+molt.train --dry-run and summarizes RUN_DIR's metrics.jsonl (a finished run, images or not) as
+its; its figures mean nothing, it keeps the script from rotting.
 """
 
 import argparse
 import json
-import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_fixtures import load_repo_module, load_test_fixtures
+from bench_fixtures import check_job, load_repo_module, load_test_fixtures, read_metrics, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENV_FILE = "tests/agents/screenshot_env.py"
 MEGABYTE = 1e6
 
 
-def run_job(args, model_dir: Path, prompts: Path, out: Path) -> float:
-    """The molt.train job; returns its wall seconds."""
-    sets = {"model.path": model_dir, "data.train_path": prompts, "agent.path": REPO_ROOT / ENV_FILE,
+def job_sets(args, model_dir: Path, prompts: Path, out: Path) -> dict:
+    """The job's --set values."""
+    return {"model.path": model_dir, "data.train_path": prompts, "agent.path": REPO_ROOT / ENV_FILE,
             "agent.max_turns": args.screenshots + 1, "metrics.output_dir": out, "train.num_steps": args.steps,
             "train.learning_rate": 1e-4, "train.warmup_steps": 0, "rollout.prompts_per_step": args.prompts,
             "rollout.n_samples_per_prompt": args.samples, "rollout.max_response_tokens": 4,
@@ -52,18 +53,6 @@ def run_job(args, model_dir: Path, prompts: Path, out: Path) -> float:
             # The random tiny model samples the <image> token now and then (1 of its 360), which fails
             # the rollout (sampled_image_token): refill it.
             "agent.on_failed_rollout": "refill", "agent.max_refills_per_group": 2}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "molt.train", "--config", str(REPO_ROOT / "configs" / "demo.py")]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(out / "job.log", "w") as log:
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the job failed (exit {done.returncode}); its output: {out / 'job.log'}")
-    return time.perf_counter() - started
 
 
 def step_figures(rows: list[dict]) -> list[dict]:
@@ -124,6 +113,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="rollout.prompts_per_step")
     parser.add_argument("--samples", type=int, default=8, help="rollout.n_samples_per_prompt")
     parser.add_argument("--out-dir", default="runs/bench-images", help="the job's run directory, prompts and log")
+    parser.add_argument("--smoke", type=Path, metavar="RUN_DIR",
+                        help="CI's smoke run: check the job's recipe with molt.train --dry-run instead of running "
+                             "it, and summarize RUN_DIR (a finished molt.train run) as its metrics")
     args = parser.parse_args()
     fixtures = load_test_fixtures()
     model_dir = fixtures.build_cached_tiny_model(preset="vlm")
@@ -132,12 +124,17 @@ def main() -> None:
     screenshot_env = load_repo_module(ENV_FILE, "molt_bench_screenshot_env")
     prompts = screenshot_env.write_prompts(out / "prompts.jsonl", num_rows=args.prompts * args.steps,
                                            screenshots=args.screenshots)
-    wall = run_job(args, model_dir, prompts, out / "run")
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    sets = job_sets(args, model_dir, prompts, out / "run")
+    if args.smoke:
+        check_job(sets, name="images")
+        wall, run_dir = None, args.smoke
+    else:
+        wall, run_dir = round(run_job(sets, out / "run", name="images"), 1), out / "run"
+    rows = read_metrics(run_dir)
     figures = step_figures([row for row in rows if row["step"] >= 1])
     for figure in figures:
         emit(figure)
-    emit({**summarize(figures, args.warmup_steps), "wall_seconds": round(wall, 1)})
+    emit({**summarize(figures, args.warmup_steps), "wall_seconds": wall, "run_dir": str(run_dir)})
     emit({"command": "python " + shlex.join(sys.argv)})
 
 

@@ -20,19 +20,21 @@ Figures over the steps after the warm-up ones, one JSON line each, then the comm
   these figures are the engine's and the trainer's kernels alone.
 
     python tools/bench/moe.py [--steps 12] [--warmup-steps 2] [--dtype bfloat16] [--out-dir runs/bench-moe]
+                              [--smoke RUN_DIR]
+
+--smoke RUN_DIR (CI, tests/test_bench_smoke.py) starts no job: it checks the three jobs' recipes with
+molt.train --dry-run and summarizes RUN_DIR's metrics.jsonl (a finished run, dense or not) as each
+job's; its figures mean nothing, it keeps the script from rotting.
 """
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_fixtures import load_test_fixtures
+from bench_fixtures import check_job, load_test_fixtures, read_metrics, run_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGENT = REPO_ROOT / "configs" / "agents" / "addition.py"
@@ -42,29 +44,17 @@ JOBS = {"capture_off": {"rollout.capture_routes": False},
 QWEN3_30B_A3B = (48, 8)  # MoE layers, experts per token
 
 
-def run_job(args, model_dir: Path, data_dir: Path, out: Path, settings: dict) -> float:
-    """One molt.train job; returns its wall seconds."""
-    sets = {"model.path": model_dir, "data.train_path": data_dir / "train.jsonl", "agent.path": AGENT,
+def job_sets(args, model_dir: Path, data_dir: Path, out: Path, settings: dict) -> dict:
+    """One job's --set values: the shared recipe plus the job's `settings`."""
+    return {"model.path": model_dir, "data.train_path": data_dir / "train.jsonl", "agent.path": AGENT,
             "metrics.output_dir": out, "train.num_steps": args.steps, "train.learning_rate": 5e-4,
             "model.dtype": args.dtype, "rollout.prompts_per_step": args.prompts,
             "rollout.n_samples_per_prompt": args.samples, "refit.check_every_steps": 0,
             "algorithm.max_staleness": 0, "rollout.partial_rollout": False, **settings}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "molt.train", "--config", str(REPO_ROOT / "configs" / "demo.py")]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(out / "job.log", "w") as log:
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the {out.name} job failed (exit {done.returncode}); its output: {out / 'job.log'}")
-    return time.perf_counter() - started
 
 
 def summarize(out: Path, warmup_steps: int) -> dict:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     measured = [r for r in rows if r.get("step", 0) > warmup_steps]
     if not measured:
         raise SystemExit(f"{out}: no step after the {warmup_steps} warm-up steps; raise --steps")
@@ -93,6 +83,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="rollout.n_samples_per_prompt")
     parser.add_argument("--dtype", default="bfloat16", help="model.dtype: the engine's and the trainer's forward")
     parser.add_argument("--out-dir", default="runs/bench-moe", help="the jobs' run directories and logs")
+    parser.add_argument("--smoke", type=Path, metavar="RUN_DIR",
+                        help="CI's smoke run: check each job's recipe with molt.train --dry-run instead of running "
+                             "it, and summarize RUN_DIR (a finished molt.train run) as every job's metrics")
     args = parser.parse_args()
     fixtures = load_test_fixtures()
     model_dir, data_dir = fixtures.build_cached_tiny_model(preset="moe"), fixtures.build_cached_demo_data()
@@ -100,9 +93,14 @@ def main() -> None:
     figures = {}
     for name, settings in JOBS.items():
         out = (REPO_ROOT / args.out_dir / name).resolve()
-        wall = run_job(args, model_dir, data_dir, out, settings)
+        sets = job_sets(args, model_dir, data_dir, out, settings)
+        if args.smoke:
+            check_job(sets, name=name)
+            wall, out = None, args.smoke
+        else:
+            wall = run_job(sets, out, name=name)
         figures[name] = summarize(out, args.warmup_steps)
-        emit({"figure": "moe_job", "job": name, "wall_seconds": wall, **figures[name]})
+        emit({"figure": "moe_job", "job": name, "wall_seconds": wall, "run_dir": str(out), **figures[name]})
     off, on, replay = figures["capture_off"], figures["capture_on"], figures["replay"]
     emit({"figure": "moe_route_capture_overhead", "step_seconds_off": off["step_seconds"],
           "step_seconds_on": on["step_seconds"], "ratio": on["step_seconds"] / off["step_seconds"],

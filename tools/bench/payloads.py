@@ -28,6 +28,7 @@ One run prints one JSON line per figure, then the command that produced them:
 
     python tools/bench/payloads.py [--megabytes 8] [--tokens 32768] [--repeats 20] [--warmup 3]
                                    [--small-count 512] [--small-tokens 64 [1024 ...]] [--inline-bytes 32768]
+                                   [--smoke]
 """
 
 import argparse
@@ -55,8 +56,11 @@ from molt.payloads.fields import payload_nbytes  # noqa: E402
 from molt.payloads.files import byte_view  # noqa: E402
 from molt.payloads.store import INLINE_BYTES  # noqa: E402
 from molt.experience import Experience  # noqa: E402
+from bench_fixtures import parse_with_smoke  # noqa: E402
 
 OWNER_NODE = "bench-owner"
+# --smoke (CI): 1 MiB payloads, 3 timed reloads, a step of 16 short experiences.
+SMOKE_DEFAULTS = dict(megabytes=1.0, tokens=1024, repeats=3, warmup=1, small_count=16)
 MEGABYTE = 1 << 20
 
 
@@ -294,7 +298,7 @@ def main() -> None:
     parser.add_argument("--inline-bytes", type=int, default=INLINE_BYTES,
                         help="the store's inline threshold for the small figures (payloads.inline_bytes)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the owner child
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, SMOKE_DEFAULTS)
     if args.serve:
         serve(args)
         return

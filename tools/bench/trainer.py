@@ -43,7 +43,9 @@ One run prints one JSON line per figure, then the command that produced them:
   as the LM head) + 12 x layers x heads x head_dim x sequence length for attention (PaLM's
   appendix B count over each sequence's own length, not halved for causality); activation
   recompute and the chunked head's recompute are not counted. --gpu-preset small is a ~85M model
-  for smaller GPUs and tests (tests/test_bench_trainer_gpu.py). Not yet run on a GPU.
+  for smaller GPUs and tests (tests/test_bench_trainer_gpu.py); --gpu-device cpu --gpu-preset tiny
+  runs the same code on CPU (tools/gpu_check.py --cpu-smoke; no memory figure, nothing measured).
+  Not yet run on a GPU.
 
 The loss head has no allocator statistics on CPU, so each variant runs in a fresh child process
 (this file with --measure VARIANT): it allocates the inputs, takes its resident set size as the
@@ -58,7 +60,8 @@ baseline. Variants alternate, --repeats times each, and the medians are reported
                     [--warmup-steps 3] [--train-steps 10]
     python tools/bench/trainer.py --figures gpu_scale [--gpu-preset 1b|small] [--gpu-sequences 4]
                                   [--gpu-sequence-tokens 4096] [--gpu-warmup-steps 2] [--gpu-steps 5]
-                                  [--gpu-attention auto|sdpa|flash_attention_2]
+                                  [--gpu-attention auto|sdpa|flash_attention_2] [--gpu-device cuda|cpu]
+    python tools/bench/trainer.py --smoke   # CI's tiny setting of the default figures, seconds
 """
 
 import argparse
@@ -81,7 +84,7 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
-from bench_fixtures import load_test_fixtures  # noqa: E402
+from bench_fixtures import load_test_fixtures, parse_with_smoke  # noqa: E402
 from molt.logprobs import compute_chunked_logprobs  # noqa: E402
 
 # The training figures import transformers and the rest of molt inside their functions: the loss
@@ -97,6 +100,10 @@ PAD_TOKEN_ID = 0
 CPU = torch.device("cpu")
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM dense BF16 tensor-core peak (no sparsity)
 FP32_TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg and exp_avg_sq
+# --smoke (CI, tests/test_bench_smoke.py): every default figure in seconds, on a 1-layer model.
+SMOKE_DEFAULTS = dict(tokens=256, vocab=512, hidden=32, chunk_tokens=64, repeats=1, model_hidden=64,
+                      model_head_dim=32, model_layers=1, model_intermediate=128, model_vocab=512, experiences=4,
+                      warmup_steps=1, train_steps=1)
 
 
 # -- loss head ----------------------------------------------------------------------------------
@@ -306,7 +313,8 @@ def build_bare_model(model_path: Path, group: dist.ProcessGroup, learning_rate: 
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    mesh = TrainerMesh.from_group(group, "cpu")
+    # FSDP2 takes a DeviceMesh: the TrainerMesh's FSDP mesh, the one Molt's own learner shards over.
+    mesh = TrainerMesh.from_group(group, "cpu").fsdp_mesh
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -503,6 +511,9 @@ GPU_PRESETS: dict[str, dict] = {
     # ~85M parameters, for smaller GPUs and tests/test_bench_trainer_gpu.py.
     "small": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=128),
+    # ~70k parameters: the figure's code path on CPU in seconds (tools/gpu_check.py --cpu-smoke).
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32),
 }
 
 
@@ -516,10 +527,11 @@ def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.d
     from molt.parallelize import ShardingPlan
 
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=torch.bfloat16, checkpoint_every=1)
-    mesh = TrainerMesh.from_group(group, "cuda")
+    mesh = TrainerMesh.from_group(group, device.type)
     with tempfile.TemporaryDirectory(prefix="molt-gpu-scale-") as directory:
         write_random_qwen3(Path(directory), sizes, dtype=torch.bfloat16, device=device)
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         model = build_actor_model(directory, mesh=mesh, device=device, plan=plan,
                                   logprob_chunk_tokens=args.gpu_chunk_tokens)
     if args.gpu_attention != "auto":  # else Molt's choice (molt.actor.choose_attention)
@@ -535,12 +547,21 @@ def count_matmul_parameters(model) -> int:
     return total if model.get_output_embeddings().weight is embedding else total - embedding.numel()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CPU ops are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def gpu_scale_figure(args) -> list[dict]:
+    """The one-GPU figure; with --gpu-device cpu (the tiny preset, for CI) the same code on CPU,
+    where there are no allocator statistics (peak memory is reported as None)."""
     from molt.actor import PolicyLoss, packing_layout
     from molt.batch import build_micro_batches
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if args.gpu_device == "cuda" else CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     group = init_single_rank()
     sizes = dict(GPU_PRESETS[args.gpu_preset], max_position_embeddings=max(4096, args.gpu_sequence_tokens))
     actor = build_gpu_actor(sizes, args, group, device)
@@ -556,13 +577,14 @@ def gpu_scale_figure(args) -> list[dict]:
     loss = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, importance=("token", "trunc", 0.5, 2.0))
     for _ in range(args.gpu_warmup_steps):  # the first step also allocates AdamW's state
         actor.train_window(micro_batches, loss)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     seconds, stepped = [], []
     for _ in range(args.gpu_steps):
         start = time.perf_counter()
         result = actor.train_window(micro_batches, loss)
-        torch.cuda.synchronize()
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
         stepped.append(result.stepped)
     step_seconds = statistics.median(seconds)
@@ -572,19 +594,21 @@ def gpu_scale_figure(args) -> list[dict]:
     attention_flops = 12 * sizes["num_hidden_layers"] * sizes["num_attention_heads"] * sizes["head_dim"] * \
         args.gpu_sequence_tokens
     model_flops = (linear_flops + attention_flops) * tokens_per_second
-    peak_bytes = torch.cuda.max_memory_allocated(device)
+    peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     static_bytes = FP32_TRAINING_BYTES_PER_PARAMETER * num_params
-    common = {"gpu": torch.cuda.get_device_name(device), "preset": args.gpu_preset, "params": num_params,
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke: no GPU figures)"
+    common = {"gpu": gpu_name, "preset": args.gpu_preset, "params": num_params,
               "model": sizes, "tokens_per_step": num_tokens, "sequences": args.gpu_sequences,
               "sequence_tokens": args.gpu_sequence_tokens, "micro_batches": len(micro_batches),
               "param_dtype": "float32", "compute_dtype": "bfloat16", "checkpoint_every": 1,
               "logprob_chunk_tokens": args.gpu_chunk_tokens,
               "attn_implementation": actor.model.config._attn_implementation,
               "warmup_steps": args.gpu_warmup_steps, "measured_steps": args.gpu_steps, "all_stepped": all(stepped),
-              "path": "Actor.train_window, one packed micro-batch, FSDP2 on 1 NCCL rank"}
+              "path": "Actor.train_window, one packed micro-batch, FSDP2 on 1 "
+                      + ("NCCL" if device.type == "cuda" else "gloo") + " rank"}
     return [
         {"figure": "gpu_peak_memory_bytes", "value": peak_bytes, "baseline": static_bytes,
-         "ratio": round(peak_bytes / static_bytes, 3), "target": None,
+         "ratio": None if peak_bytes is None else round(peak_bytes / static_bytes, 3), "target": None,
          "baseline_path": "16 bytes/parameter: fp32 weights, gradients, AdamW exp_avg and exp_avg_sq", **common},
         {"figure": "gpu_tokens_per_second", "value": round(tokens_per_second, 1), "baseline": None, "ratio": None,
          "target": None, "step_seconds_median": round(step_seconds, 6),
@@ -648,13 +672,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gpu-steps", type=int, default=5, help="gpu_scale: measured windows")
     parser.add_argument("--gpu-peak-flops", type=float, default=H200_BF16_DENSE_FLOPS,
                         help="gpu_scale: the accelerator's dense bf16 peak FLOP/s for the MFU")
+    parser.add_argument("--gpu-device", choices=("cuda", "cpu"), default="cuda",
+                        help="gpu_scale: cpu runs the figure's code on CPU (with --gpu-preset tiny: CI's smoke "
+                             "of tools/gpu_check.py); its figures mean nothing there")
     parser.add_argument("--measure", choices=sorted(LOSS_HEADS), help=argparse.SUPPRESS)  # the child
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, SMOKE_DEFAULTS)
     figures = args.figures.split(",")
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:
         parser.error(f"unknown figures {unknown}; choose from {sorted(FIGURES)}")
-    if "gpu_scale" in figures and not torch.cuda.is_available():
+    if "gpu_scale" in figures and args.gpu_device == "cuda" and not torch.cuda.is_available():
         parser.error("gpu_scale needs a CUDA device and torch.cuda.is_available() is False here; run it on a "
                      "GPU machine, or leave it out of --figures")
     return args
