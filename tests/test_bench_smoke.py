@@ -80,8 +80,8 @@ def test_payloads_bench_smoke():
 
 
 def test_gpu_check_cpu_smoke(tmp_path):
-    """tools/gpu_check.sh --cpu-smoke: every part runs and reports; a failing part fails the run
-    without stopping the others."""
+    """tools/gpu_check.sh --cpu-smoke: every part runs, reports its figures and passes on CPU (the
+    log-prob part fails on bf16 logits rounded before the upcast: 8.7e-3 against float64)."""
     done = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-smoke"], cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
                                "CUDA_VISIBLE_DEVICES": ""},
@@ -90,7 +90,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert json_lines(done.stdout) == results
     summaries = {record["part"]: record for record in results if "status" in record}
     assert list(summaries) == ["mesh", "fsdp2_1b", "logprobs_fp32", "pytest_gpu"], done.stderr[-3000:]
-    for part in ("mesh", "fsdp2_1b", "pytest_gpu"):
+    for part in summaries:  # the log-prob part too: molt/logprobs.py computes bf16 logits in float32
         assert summaries[part]["status"] == "PASS", (tmp_path / "out" / f"{part}.log").read_text()[-3000:]
 
     figures = {record["figure"]: record for record in results if "figure" in record}
@@ -104,12 +104,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     logprobs = figures["logprobs_fp32_max_abs_error"]
     assert logprobs["logprobs_dtype"] == "torch.float32" and math.isfinite(logprobs["value"])
     assert logprobs["baseline"] > 1e-3  # bf16 logits upcast after: the error the part must tell apart
-    assert summaries["logprobs_fp32"]["status"] == ("PASS" if logprobs["value"] <= 1e-4 else "FAIL")
+    assert logprobs["value"] <= 1e-4
 
     verdict = results[-1]
-    all_passed = all(summary["status"] == "PASS" for summary in summaries.values())
-    assert verdict["gpu_check"] == ("PASS" if all_passed else "FAIL") and verdict["cpu_smoke"]
-    assert done.returncode == (0 if all_passed else 1)
+    assert verdict["gpu_check"] == "PASS" and verdict["cpu_smoke"] and done.returncode == 0
 
 
 # -- e2e tier: the session's shared engine and straight run --------------------------------------
