@@ -20,8 +20,9 @@ plus vLLM's own transient copy of the layer it is processing. The real model's n
 `molt_receive_stats`.
 
 nccl: vLLM's NCCLWeightTransferEngine does the receiving (molt.weight_sync_nccl); this class adds
-the watchdog that aborts the worker's communicator when no data comes, and the clean-up after a
-failed update. That part has never run on a GPU.
+one call per bucket that arms the watchdog at the first bucket and refuses any bucket after it fired
+(it aborts the worker's communicator when no data comes), the lm_head re-tie after each update, and
+the clean-up after a failed or cancelled update. That part has never run on a GPU.
 """
 
 from __future__ import annotations

@@ -7,22 +7,35 @@ control flow instead of vLLM's trainer helper, which assumes a single engine.
   rendezvous (a TCPStore that pickles) is never used: Molt allows no pickle on any socket.
 - Ranks: the trainer's sender is rank 0; engine `e` gets rank offset `1 + e * TP`, to which vLLM adds
   each worker's own rank inside the engine (nccl_common.worker_init_process_group).
-- Wire: each bucket of Molt's plan goes through vLLM's packed producer (trainer) and consumer
-  (workers) with the same geometry on both sides: buffer size = refit.bucket_megabytes, so one
-  bucket is one packed broadcast; the rollout rank sends one `update_weights` per bucket with that
-  bucket's names, dtypes (the engine dtype) and shapes. The consumer allocates each bucket's
-  receive buffer; vLLM's layerwise reload keeps it alive only until the layers viewing it are
-  complete (molt.refit_receiver says what that reload retains).
-- Timeouts: NCCL never times out. A watchdog (molt.weight_sync.Watchdog) on the trainer and in each
-  worker aborts the communicator after refit.timeout_seconds; the step then raises RefitSendError
-  (trainer) or RefitError (worker), and the trainer rebuilds the group from a fresh unique id, so
-  refit.max_attempts works as with gloo.
+- Device: the sender's communicator and packed tensors are on the trainer's GPU (`refit_device`),
+  also under train.cpu_offload, where the parameters are on the host.
+- Wire: ONE call of vLLM's packed producer per refit (as vLLM's own trainer,
+  NCCLTrainerWeightTransferEngine._broadcast), over a generator that gathers each tensor when the
+  producer pulls it, so on the producer's stream (molt.weight_sync.gather_stream), with each shard
+  cast to the engine dtype before its all-gather; its double buffering overlaps the gathers of chunk
+  i + 1 with the broadcast of chunk i. Molt's plan follows the producer's own cuts
+  (plan_packed_buckets) with a buffer of refit.bucket_megabytes raised to the largest tensor
+  (`packed_buffer_bytes`: vLLM warns for every larger tensor on every refit), so each bucket is one
+  packed broadcast; the rollout rank sends one update per bucket with that bucket's names, dtypes
+  (the engine dtype) and shapes, and vLLM's consumer on the workers cuts it into that one broadcast.
+  The consumer allocates each bucket's receive buffer; vLLM's layerwise reload keeps it alive only
+  until the layers viewing it are complete (molt.refit_receiver says what that reload retains).
+- Timeouts: NCCL never times out. A watchdog (molt.weight_sync.Watchdog) on the trainer aborts the
+  communicator after refit.timeout_seconds (the producer then sends nothing more: GuardedLink, but
+  every gather still runs); one in each worker, armed at the first bucket (after the controller's
+  'refit_go', so it never counts other engines' pause), aborts the worker's, after which no
+  update_weights is issued. The step then raises RefitSendError (trainer) or RefitError (worker), and
+  the trainer rebuilds the group from a fresh unique id, so refit.max_attempts works as with gloo.
+- A 'refit_cancel' (an engine missed the pause) ends the prepared update session and shuts the
+  worker's communicator down without receiving (EngineWeightSync.abandon).
 
 NOTHING IN THIS MODULE HAS RUN ON A GPU: the machines Molt is tested on have no GPU and no CUDA
 build of vLLM. The CPU tests (tests/test_weight_sync.py) cover the messages (checked against vLLM's
-own init and update dataclasses), the ranks, the watchdog and the control flow with a stand-in
-communicator; the NCCL calls themselves (unique id, communicator init, packed broadcast, abort,
-and vLLM's worker side) are unverified.
+own init and update dataclasses), the ranks, the plan against vLLM's pack_tensors, the producer and
+consumer over a stand-in link, the device and stream decisions, the watchdogs and the control flow
+with stand-in communicators; the NCCL calls themselves (unique id, communicator init, packed
+broadcast, abort, and vLLM's worker side) are unverified. A `gpu` test checks the gathers on CUDA
+streams with a stand-in communicator; it has not run yet either.
 """
 
 from __future__ import annotations

@@ -438,6 +438,44 @@ def test_the_nccl_worker_watchdog_arms_at_the_first_bucket_and_no_update_runs_af
     assert asyncio.run(sync.recover(llm)) is False  # a bucket may have loaded: the engine stays paused
 
 
+def test_an_nccl_refit_joins_quietly_receives_bucket_by_bucket_and_reties_the_head(model_path, monkeypatch):
+    """The healthy path of the NCCL engine half: its join quiets vLLM's expected 'Failed to load
+    weights' for the tied lm_head (issue 27, finding 13: it was silenced on gloo only), then one
+    update per bucket, the watchdog disarmed, vLLM's update finished, and the lm_head re-tied to the
+    new embeddings (vLLM's reload puts the old tensor back, on GPU as on CPU)."""
+    import logging
+
+    sender = _nccl_sender(_model(model_path), monkeypatch, bucket_bytes=16 << 10)
+    group = {**sender.group_message("127.0.0.1", 2), "rank": 1}
+    timeline: list[str] = []
+    llm = NcclWorker(timeline)
+    llm.communicator = SimpleNamespace(broadcast=lambda tensor, src: None, destroy=lambda: None)  # delivers
+    llm.receiver.weight_transfer_engine = SimpleNamespace(model_update_group=llm.communicator)
+    retied = []
+    llm.receiver._molt_retie_embeddings = lambda: retied.append(1)
+
+    async def init_weight_transfer_engine(request) -> None:
+        timeline.append("init_weight_transfer_engine")
+
+    llm.init_weight_transfer_engine = init_weight_transfer_engine
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    monkeypatch.setattr(layerwise, "level", logging.NOTSET)
+    sync = NcclEngineSync()
+
+    async def refit() -> None:
+        await sync.join(llm, group)
+        await sync.prepare(llm, 3)
+        await sync.receive(llm, 3)
+
+    asyncio.run(refit())
+    assert layerwise.getEffectiveLevel() == logging.ERROR
+    num_buckets = len(group["plan"])
+    assert timeline == (["molt_quiet_expected_reload_warnings", "init_weight_transfer_engine", "start_weight_update"]
+                        + ["molt_update_weights", "update_weights"] * num_buckets
+                        + ["molt_disarm_watchdog", "finish_weight_update", "molt_retie_embeddings"])
+    assert retied == [1] and not sync.mixed
+
+
 # -- the controller: the engines acknowledge the pause before anything is sent -------------------
 
 
