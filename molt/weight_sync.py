@@ -198,9 +198,10 @@ def refit_device(trainer_device: torch.device, current_index: Callable[[], int] 
 def gather_device(shard_device: torch.device, trainer_device: torch.device) -> torch.device:
     """Where a parameter's local shard is all-gathered: where it is, unless it is on the host while
     the trainer computes on a GPU (FSDP2 CPUOffloadPolicy keeps sharded parameters in host memory:
-    torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharded_param: `if self.offload_to_cpu`). Then it goes (already cast
-    to the engine dtype) to the trainer's GPU first: the trainer's group is 'cpu:gloo,cuda:nccl'
-    (molt.train), which runs a host tensor's all-gather over gloo and a GPU tensor's over NCCL."""
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _init_sharded_param: `if self.offload_to_cpu`).
+    Then it goes (already cast to the engine dtype) to the trainer's GPU first: the trainer's group
+    is 'cpu:gloo,cuda:nccl' (molt.train), which runs a host tensor's all-gather over gloo and a GPU
+    tensor's over NCCL."""
     if shard_device.type == "cpu" and trainer_device.type == "cuda":
         return trainer_device
     return shard_device
@@ -448,6 +449,3 @@ class Watchdog:
         except Exception:
             logger.exception("%s: the abort failed", self.what)
 
-
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param
