@@ -504,10 +504,23 @@ class RolloutController:
     def await_paused(self, version: int, attempt: int, deadline: float) -> str | None:
         """Wait until `deadline` for every engine to say it paused for one refit attempt, ready to
         receive. None when all did (the sender may broadcast); otherwise what went wrong, naming each
-        engine that did not: then nothing is broadcast and the attempt has failed."""
+        engine that did not: then nothing is broadcast and the attempt has failed. Either way the
+        caller then sends `decide_refit`, which the engines wait for."""
         problems = self._refit_problems("refit_paused", version, attempt, deadline, "acknowledge the pause")
         return (f"refit v{version} (attempt {attempt}): " + "; ".join(problems) + "; nothing was broadcast"
                 if problems else None)
+
+    def decide_refit(self, version: int, attempt: int, go: bool) -> None:
+        """Tell every engine, once `await_paused` returned, whether this attempt goes ahead: 'refit_go'
+        (every engine paused: they receive) or 'refit_cancel' (one did not: the paused ones tear the
+        group down at once, loading nothing, and keep serving their old weights). A rank that is no
+        longer connected cannot be told; its absence shows in the attempt's replies."""
+        message = {"type": "refit_go" if go else "refit_cancel", "version": version, "attempt": attempt}
+        for rank in self.rollout_ranks:
+            try:
+                self.router.send(f"rollout-{rank}", message)
+            except ConnectionError as error:
+                logger.error("refit v%d (attempt %d): %s", version, attempt, error)
 
     def finish_refit(self, version: int, attempt: int, deadline: float, send_error: Exception | None) -> str | None:
         """Wait until `deadline` for every engine to confirm one refit attempt. None when all

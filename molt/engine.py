@@ -17,7 +17,7 @@ from molt.config import MoltConfig, resolve_enforce_eager
 from molt.images import ImageInputs, collapse_placeholders, count_stray_placeholders, image_digest, open_image
 from molt.route_capture import RouteTaker, count_unknown, dense_layer_indices, native_routes, route_capture_path
 from molt.routes import pad_routes
-from molt.weight_sync import EngineWeightSync, build_engine_sync, resolve_backend
+from molt.weight_sync import EngineWeightSync, RefitCancelled, build_engine_sync, resolve_backend
 
 logger = logging.getLogger("molt")
 ENGINE_SHUTDOWN_SECONDS = 30.0  # longest wait for the engine core to exit before it is killed
@@ -307,10 +307,13 @@ class RolloutEngine:
         self._prompt_counts.clear()  # its keys carry the version: older ones can never match again
 
     async def swap_weights(self, version: int, *, partial_rollout: bool,
-                           on_paused: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Pause generation, get the workers ready (`on_paused` then tells the trainer, which
-        broadcasts once every engine is paused), receive one refit broadcast, resume. Requests
-        submitted meanwhile wait in the engine's queue and start under the new weights; none is aborted.
+                           on_paused: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Pause generation, get the workers ready, then `on_paused` tells the controller and waits
+        for its decision: True ('refit_go', sent once every engine has paused) receives one refit
+        broadcast and resumes; False ('refit_cancel': some engine missed the pause) tears the refit
+        group down at once without loading, resumes on the old weights under their old version label
+        and raises RefitCancelled. Requests submitted meanwhile wait in the engine's queue; none is
+        aborted.
 
         partial_rollout=False ('wait'): requests in flight first finish under the old weights, so
         no generation call spans two versions. partial_rollout=True ('keep'): they are frozen where
@@ -326,9 +329,14 @@ class RolloutEngine:
         intact = True
         try:
             await self.weight_sync.prepare(self.llm, version)
-            if on_paused is not None:
-                await on_paused()
+            go = await on_paused() if on_paused is not None else True
+            if not go:
+                await self.weight_sync.abandon(self.llm)
+                raise RefitCancelled(f"refit v{version} cancelled by the trainer (an engine missed the pause); "
+                                     f"nothing was loaded, serving version {self.policy_version}")
             await self.receive_weights(version)
+        except RefitCancelled:
+            raise
         except BaseException:
             intact = await self._recover_weight_sync()
             raise

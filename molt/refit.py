@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from molt.weight_sync import BucketEntry, EngineWeightSync, RefitSendError, WeightSender
+from molt.weight_sync import BucketEntry, EngineWeightSync, RefitSendError, WeightSender, gather_device
 
 logger = logging.getLogger("molt")
 
@@ -80,13 +81,51 @@ class RefitSender(WeightSender):
         self.group = None
         self._rendezvous = None
 
-    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> Callable[[], None]:
-        """Copy the bucket into a flat buffer (casting to the engine dtype) and start its broadcast;
-        gloo runs it on its own thread while the caller gathers the next bucket. Returns its wait."""
+    def deliver(self, gathered: Iterator[tuple[BucketEntry, torch.Tensor]]) -> int:
+        """Bucket by bucket; bucket i + 1 is gathered while bucket i is on the wire (at most one send in
+        flight). After a failed send the remaining buckets are only gathered."""
+        sent, error, in_flight = 0, None, None  # in_flight: (wait, bytes) of the bucket being sent
+
+        def finish_in_flight() -> None:
+            nonlocal sent, error, in_flight
+            if in_flight is None:
+                return
+            wait, num_bytes = in_flight
+            in_flight = None
+            try:
+                wait()
+                sent += num_bytes
+            except RefitSendError as failure:
+                error = failure
+
+        for bucket in self.buckets:
+            tensors = [tensor for _, tensor in itertools.islice(gathered, len(bucket))]
+            finish_in_flight()
+            if error is not None:
+                continue
+            num_bytes = sum(entry.num_bytes for entry in bucket)
+            try:
+                wait = self.send_bucket(bucket, tensors)
+            except RefitSendError as failure:
+                error = failure
+                continue
+            if wait is None:
+                sent += num_bytes
+            else:
+                in_flight = (wait, num_bytes)
+        finish_in_flight()
+        if error is not None:
+            raise RefitSendError(f"{self.backend} broadcast failed after {sent} bytes: {error}") from error
+        return sent
+
+    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> Callable[[], None] | None:
+        """Copy the bucket (full tensors, already in the engine dtype) into a flat buffer and start its
+        broadcast; gloo runs it on its own thread while the caller gathers the next bucket. Returns its
+        wait (None: already delivered). RefitSendError on failure, from either."""
         flat = self._flat_buffer(bucket)
         offset = 0
         for tensor in tensors:
-            flat[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))  # cast to the engine dtype
+            flat[offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
             offset += tensor.numel()
         options = dist.BroadcastOptions()
         options.rootRank = 0
@@ -112,7 +151,7 @@ class RefitSender(WeightSender):
         buffers = self._buffers.get(dtype)
         if buffers is None:
             largest = max(sum(e.num_bytes for e in b) for b in self.buckets if b[0].dtype == dtype)
-            device = next(iter(self._params.values())).device
+            device = gather_device(next(iter(self._params.values())).device, self.device)  # where gathers land
             buffers = self._buffers[dtype] = [torch.empty(largest // getattr(torch, dtype).itemsize,
                                                           dtype=getattr(torch, dtype), device=device) for _ in range(2)]
         buffers.reverse()  # the other one than last time

@@ -20,8 +20,9 @@ plus vLLM's own transient copy of the layer it is processing. The real model's n
 `molt_receive_stats`.
 
 nccl: vLLM's NCCLWeightTransferEngine does the receiving (molt.weight_sync_nccl); this class adds
-the watchdog that aborts the worker's communicator when no data comes, and the clean-up after a
-failed update. That part has never run on a GPU.
+one call per bucket that arms the watchdog at the first bucket and refuses any bucket after it fired
+(it aborts the worker's communicator when no data comes), the lm_head re-tie after each update, and
+the clean-up after a failed or cancelled update. That part has never run on a GPU.
 """
 
 from __future__ import annotations
@@ -50,9 +51,7 @@ class RefitReceiver(RouteCapture):
         its tensor-parallel rank."""
         from molt.refit import arrival_key, join_refit_rendezvous, make_refit_group
 
-        # Every in-place reload warns that the rotary cache and a tied lm_head got no checkpoint
-        # tensor; both are expected here (the lm_head is re-tied below).
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        self.molt_quiet_expected_reload_warnings()
         own_rank = rank + self.molt_tensor_parallel_rank()
         rendezvous = join_refit_rendezvous(host, port, world_size, timeout_seconds)
         rendezvous.set(arrival_key(own_rank), "1")
@@ -62,6 +61,12 @@ class RefitReceiver(RouteCapture):
         # every refit (fresh multi-MB buffers would run at first-touch memory speed).
         self._molt_buffer = torch.empty(max(bucket_num_bytes(bucket) for bucket in plan), dtype=torch.uint8)
         self._molt_detached_bytes = self._molt_held_bytes = 0
+
+    def molt_quiet_expected_reload_warnings(self) -> None:
+        """Every in-place reload (gloo's, and vLLM's NCCL update) warns 'Failed to load weights' for a
+        tied lm_head, which the checkpoint never holds (it is re-tied after each load), and for the
+        rotary cache: expected on every refit, so vLLM's layerwise reload logs errors only."""
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     def molt_tensor_parallel_rank(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -172,8 +177,25 @@ class RefitReceiver(RouteCapture):
 
     # -- nccl (never run on a GPU) -------------------------------------------------------------
 
+    def molt_update_weights(self, *, update_info: dict, first: bool, timeout_seconds: float, what: str) -> None:
+        """Receive and load one bucket of an NCCL refit (vLLM's Worker.update_weights). The first bucket
+        arms the watchdog (not `prepare`: the wait for every engine's pause is not this worker's to
+        time). Once the watchdog fired no update runs: the aborted communicator would return at once
+        and vLLM would load whatever its receive buffer held."""
+        if first:
+            self.molt_arm_watchdog(timeout_seconds=timeout_seconds, what=what)
+        watchdog = getattr(self, "_molt_watchdog", None)
+        if watchdog is None or watchdog.fired:
+            raise RefitError(f"{what}: no update after the watchdog fired (or before it was armed); "
+                             f"the worker's NCCL communicator was aborted")
+        self.update_weights(update_info)
+
+    def molt_retie_embeddings(self) -> None:
+        """After an NCCL update: re-tie the lm_head to the new embeddings (see `_molt_retie_embeddings`)."""
+        self._molt_retie_embeddings()
+
     def molt_arm_watchdog(self, *, timeout_seconds: float, what: str) -> None:
-        """Before an NCCL weight update: abort this worker's communicator (vLLM's weight-transfer
+        """At an NCCL weight update's first bucket: abort this worker's communicator (vLLM's weight-transfer
         engine's) if the update is still running after `timeout_seconds`; the blocked broadcast then
         returns, and `molt_disarm_watchdog` raises."""
         communicator = self.weight_transfer_engine.model_update_group

@@ -33,7 +33,7 @@ from molt.images import count_stray_placeholders
 from molt.loop_lag import LoopLagMonitor
 from molt.metrics import ProcessResourceSampler
 from molt.payloads import PayloadStore, default_node_id, offload_record
-from molt.weight_sync import RefitError
+from molt.weight_sync import RefitCancelled, RefitError
 from molt.wire import ControllerAddress, connect_dealer, pack, unpack
 
 logger = logging.getLogger("molt")
@@ -64,6 +64,7 @@ class RolloutService:
         self.socket = connect_dealer(controller_address, f"rollout-{rank}", zmq.asyncio.Context.instance())
         self.tasks: set[asyncio.Task] = set()
         self.refit_lock = asyncio.Lock()  # one refit (or refit group rebuild) at a time
+        self.refit_decisions: dict[tuple[int, int], asyncio.Future] = {}  # (version, attempt): go?
 
     async def send(self, message: dict) -> None:
         await self.socket.send(pack(message))
@@ -85,8 +86,7 @@ class RolloutService:
         self.lag.start()  # after start-up, which blocks this loop while the engine loads
         self.resources = ProcessResourceSampler("rollout_rank")
         await self.send({"type": "ready", "rank": self.rank})
-        handlers = {"rollout": self.run_rollout, "join_refit": self.join_refit, "refit": self.refit,
-                    "leave_refit": self.leave_refit, "score": self.score, "sleep": self.sleep_engine}
+        handlers = self.handlers()
         try:
             while True:
                 message = unpack(await self.socket.recv())
@@ -114,6 +114,12 @@ class RolloutService:
             # exits right after, without a teardown that would give ZeroMQ's thread time to send it.
             await self.send({"type": "stopped", "rank": self.rank})
             self.socket.context.destroy(linger=2000)
+
+    def handlers(self) -> dict:
+        """The coroutine each controller message type runs (as its own task)."""
+        return {"rollout": self.run_rollout, "join_refit": self.join_refit, "refit": self.refit,
+                "refit_go": self.decide_refit, "refit_cancel": self.decide_refit,
+                "leave_refit": self.leave_refit, "score": self.score, "sleep": self.sleep_engine}
 
     async def start(self) -> None:
         kind = await self.workers.start()  # first: each worker imports the agent file, which fails fast
@@ -194,11 +200,14 @@ class RolloutService:
         await self.send({"type": "refit_joined", "rank": self.rank})
 
     async def refit(self, message: dict) -> None:
-        """One refit attempt: pause the engine and get its workers ready, say 'refit_paused' (the
-        trainer broadcasts once every engine has), receive and load, resume, say 'refit_done'. A
-        failure is reported in the reply due next; the trainer names this engine, rebuilds the refit
-        group and retries. Until a refit succeeds the engine keeps its old weights and labels what it
-        samples with their version (or, if a load failed part-way, stays paused)."""
+        """One refit attempt: pause the engine and get its workers ready, say 'refit_paused', then wait
+        for the controller's decision, which it sends once every engine has paused or one missed the
+        deadline: 'refit_go' receives and loads, resumes and says 'refit_done'; 'refit_cancel' tears
+        the refit group down without loading, resumes on the old weights under their old version
+        label and says 'refit_done' with the cancellation as its error (the trainer rebuilds the group
+        and retries). A failure is reported in the reply due next; the trainer names this engine,
+        rebuilds the refit group and retries. Until a refit succeeds the engine keeps its old weights
+        and labels what it samples with their version (or, if a load failed part-way, stays paused)."""
         # Rollouts may be in flight (algorithm.max_staleness > 0); none is aborted. With
         # rollout.partial_rollout their requests are frozen and continue under the new weights;
         # without it they finish under the old ones before the swap (RolloutEngine.swap_weights).
@@ -208,26 +217,60 @@ class RolloutService:
         deadline = time.monotonic() + timeout
         paused = False
 
-        async def acknowledge_pause() -> None:
+        async def acknowledge_pause() -> bool:
             nonlocal paused
             if time.monotonic() > deadline:  # the trainer gave up on this attempt: it will not broadcast
                 raise RefitError(f"paused only after refit.timeout_seconds={timeout:g}")
             paused = True
             await self.send({"type": "refit_paused", **reply, "error": None})
+            # The controller decides by the deadline; a decision still missing a timeout later (the
+            # controller is gone) counts as a cancel.
+            return await self.refit_decision(version, attempt, deadline + timeout)
 
         error = None
         async with self.refit_lock:
             try:
                 await self.engine.swap_weights(version, partial_rollout=self.cfg.rollout.partial_rollout,
                                                on_paused=acknowledge_pause)
+            except RefitCancelled as cancelled:
+                logger.info("rollout rank %d: %s", self.rank, cancelled)
+                error = f"RefitCancelled: {cancelled}"
             except Exception as failure:
                 logger.error("rollout rank %d: refit v%d (attempt %d) failed:\n%s", self.rank, version, attempt,
                              traceback.format_exc())
                 error = f"{type(failure).__name__}: {failure}"
+            finally:
+                self.refit_decisions.pop((version, attempt), None)
         if not paused:  # the trainer is still waiting for the pause
             await self.send({"type": "refit_paused", **reply, "error": error})
             return
         await self.send({"type": "refit_done", **reply, "error": error})
+
+    def _decision(self, version: int, attempt: int) -> asyncio.Future:
+        key = (version, attempt)
+        if key not in self.refit_decisions:
+            self.refit_decisions[key] = asyncio.get_running_loop().create_future()
+        return self.refit_decisions[key]
+
+    async def refit_decision(self, version: int, attempt: int, deadline: float) -> bool:
+        """True once the controller said 'refit_go' for this attempt; False on 'refit_cancel', or when
+        no decision came by `deadline`."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._decision(version, attempt)),
+                                          max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            logger.error("rollout rank %d: no go or cancel for refit v%d (attempt %d) from the trainer; "
+                         "cancelling it here", self.rank, version, attempt)
+            return False
+
+    async def decide_refit(self, message: dict) -> None:
+        """'refit_go' or 'refit_cancel' for one attempt; it may arrive before this engine has paused
+        (a cancel sent while it was still pausing), and is then found when it does."""
+        decision = self._decision(message["version"], message["attempt"])
+        if not decision.done():
+            decision.set_result(message["type"] == "refit_go")
+        for key in [key for key in self.refit_decisions if key < (message["version"], message["attempt"])]:
+            del self.refit_decisions[key]  # older attempts' decisions nobody will wait for
 
     async def leave_refit(self, message: dict) -> None:
         await self.engine.leave_refit_group()

@@ -77,7 +77,7 @@ class Trainer:
         self.learner = Learner(cfg, self.actor, mesh=mesh, device=device)
         self.micro_batch_layout = (choose_layout(self.actor, self.pad_token_id, plan.forward_dtype) if cfg.train.packing
                        else "padded")  # molt.batch.LAYOUTS
-        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device_type=device.type)  # molt.weight_sync
+        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device=device)  # molt.weight_sync
         # Experiences arrive as light records; each rank fetches its own share's token-axis fields
         # from the payload store of the rollout rank that produced them (DESIGN section 7).
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
@@ -418,13 +418,16 @@ class Trainer:
     def attempt_refit(self, version: int, attempt: int) -> str | None:
         """One refit attempt on every trainer rank; the controller returns what failed, if anything.
 
-        The engines pause first; the sender broadcasts only once every engine has said it is paused
-        and ready. Every trainer rank runs the FSDP2 gathers either way (`send=False` gathers only)."""
+        The engines pause first; once every engine has said it is paused and ready, the controller
+        says 'refit_go' and the sender broadcasts. If one did not by the deadline, it says
+        'refit_cancel' (the paused engines drop the group without loading) and nothing is sent. Every
+        trainer rank runs the FSDP2 gathers either way (`send=False` gathers only)."""
         deadline = time.monotonic() + self.cfg.refit.timeout_seconds
         not_paused = None
         if self.is_controller:
             self.controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
             not_paused = self.controller.await_paused(version, attempt, deadline)
+            self.controller.decide_refit(version, attempt, go=not_paused is None)
         send_error = None
         started = time.perf_counter()
         try:

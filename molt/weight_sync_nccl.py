@@ -7,22 +7,35 @@ control flow instead of vLLM's trainer helper, which assumes a single engine.
   rendezvous (a TCPStore that pickles) is never used: Molt allows no pickle on any socket.
 - Ranks: the trainer's sender is rank 0; engine `e` gets rank offset `1 + e * TP`, to which vLLM adds
   each worker's own rank inside the engine (nccl_common.worker_init_process_group).
-- Wire: each bucket of Molt's plan goes through vLLM's packed producer (trainer) and consumer
-  (workers) with the same geometry on both sides: buffer size = refit.bucket_megabytes, so one
-  bucket is one packed broadcast; the rollout rank sends one `update_weights` per bucket with that
-  bucket's names, dtypes (the engine dtype) and shapes. The consumer allocates each bucket's
-  receive buffer; vLLM's layerwise reload keeps it alive only until the layers viewing it are
-  complete (molt.refit_receiver says what that reload retains).
-- Timeouts: NCCL never times out. A watchdog (molt.weight_sync.Watchdog) on the trainer and in each
-  worker aborts the communicator after refit.timeout_seconds; the step then raises RefitSendError
-  (trainer) or RefitError (worker), and the trainer rebuilds the group from a fresh unique id, so
-  refit.max_attempts works as with gloo.
+- Device: the sender's communicator and packed tensors are on the trainer's GPU (`refit_device`),
+  also under train.cpu_offload, where the parameters are on the host.
+- Wire: ONE call of vLLM's packed producer per refit (as vLLM's own trainer,
+  NCCLTrainerWeightTransferEngine._broadcast), over a generator that gathers each tensor when the
+  producer pulls it, so on the producer's stream (molt.weight_sync.gather_stream), with each shard
+  cast to the engine dtype before its all-gather; its double buffering overlaps the gathers of chunk
+  i + 1 with the broadcast of chunk i. Molt's plan follows the producer's own cuts
+  (plan_packed_buckets) with a buffer of refit.bucket_megabytes raised to the largest tensor
+  (`packed_buffer_bytes`: vLLM warns for every larger tensor on every refit), so each bucket is one
+  packed broadcast; the rollout rank sends one update per bucket with that bucket's names, dtypes
+  (the engine dtype) and shapes, and vLLM's consumer on the workers cuts it into that one broadcast.
+  The consumer allocates each bucket's receive buffer; vLLM's layerwise reload keeps it alive only
+  until the layers viewing it are complete (molt.refit_receiver says what that reload retains).
+- Timeouts: NCCL never times out. A watchdog (molt.weight_sync.Watchdog) on the trainer aborts the
+  communicator after refit.timeout_seconds (the producer then sends nothing more: GuardedLink, but
+  every gather still runs); one in each worker, armed at the first bucket (after the controller's
+  'refit_go', so it never counts other engines' pause), aborts the worker's, after which no
+  update_weights is issued. The step then raises RefitSendError (trainer) or RefitError (worker), and
+  the trainer rebuilds the group from a fresh unique id, so refit.max_attempts works as with gloo.
+- A 'refit_cancel' (an engine missed the pause) ends the prepared update session and shuts the
+  worker's communicator down without receiving (EngineWeightSync.abandon).
 
 NOTHING IN THIS MODULE HAS RUN ON A GPU: the machines Molt is tested on have no GPU and no CUDA
 build of vLLM. The CPU tests (tests/test_weight_sync.py) cover the messages (checked against vLLM's
-own init and update dataclasses), the ranks, the watchdog and the control flow with a stand-in
-communicator; the NCCL calls themselves (unique id, communicator init, packed broadcast, abort,
-and vLLM's worker side) are unverified.
+own init and update dataclasses), the ranks, the plan against vLLM's pack_tensors, the producer and
+consumer over a stand-in link, the device and stream decisions, the watchdogs and the control flow
+with stand-in communicators; the NCCL calls themselves (unique id, communicator init, packed
+broadcast, abort, and vLLM's worker side) are unverified. A `gpu` test checks the gathers on CUDA
+streams with a stand-in communicator; it has not run yet either.
 """
 
 from __future__ import annotations
@@ -31,9 +44,12 @@ import base64
 import logging
 import threading
 
+from collections.abc import Callable, Iterator
+
 import torch
 
-from molt.weight_sync import BucketEntry, EngineWeightSync, RefitSendError, Watchdog, WeightSender
+from molt.weight_sync import (BucketEntry, EngineWeightSync, RefitSendError, Watchdog, WeightSender,
+                              plan_packed_buckets, refit_device)
 
 logger = logging.getLogger("molt")
 
@@ -62,6 +78,31 @@ def bucket_update_infos(plan: list[list[list]]) -> list[dict]:
              "shapes": [list(shape) for _, _, shape in bucket]} for bucket in plan]
 
 
+def packed_buffer_bytes(bucket_bytes: int, entries: list[BucketEntry]) -> int:
+    """vLLM's packed buffer size for a refit: refit.bucket_megabytes, raised to the largest tensor.
+    pack_tensors (vllm/distributed/weight_transfer/packed_tensor.py) warns for every tensor larger
+    than its buffer, on every refit; sized so, it never does."""
+    return max([bucket_bytes] + [entry.num_bytes for entry in entries])
+
+
+class GuardedLink:
+    """What vLLM's packed producer broadcasts through: the sender's communicator, until its watchdog
+    fired. After that nothing more is put on the wire (the producer keeps pulling, so every gather
+    still runs); `sent` counts the bytes of the broadcasts issued on a live communicator."""
+
+    def __init__(self, communicator, fired: Callable[[], bool]):
+        self.communicator = communicator
+        self.fired = fired
+        self.sent = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        if self.fired():
+            return
+        self.communicator.broadcast(tensor, src=src, stream=stream)
+        if not self.fired():
+            self.sent += tensor.numel()  # uint8: bytes
+
+
 class NcclSender(WeightSender):
     """The trainer half over NCCL (vLLM's PyNcclCommunicator and packed producer)."""
 
@@ -74,18 +115,24 @@ class NcclSender(WeightSender):
         self._world_size = 0
         self._watchdog: Watchdog | None = None
 
+    def plan(self, entries: list[BucketEntry]) -> list[list[BucketEntry]]:
+        """vLLM's own cuts (plan_packed_buckets), so one producer call sends one bucket per chunk."""
+        self.packed_buffer_bytes = packed_buffer_bytes(self.bucket_bytes, entries)
+        return plan_packed_buckets(entries, self.packed_buffer_bytes)
+
     def group_message(self, host: str, world_size: int) -> dict:
         self._unique_id, self._world_size = mint_unique_id(), world_size
         return {"backend": self.backend, "nccl_unique_id_b64": self._unique_id, "world_size": world_size,
-                "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS,
+                "packed_buffer_size_bytes": self.packed_buffer_bytes, "packed_num_buffers": PACKED_NUM_BUFFERS,
                 "timeout_seconds": self.timeout_seconds, "plan": self.wire_plan}
 
     def connect(self) -> None:
-        """Join as rank 0 (with the warm-up all-reduce every peer runs). The unique-id rendezvous has
-        no barrier and cannot be interrupted: past the timeout the init is left behind in its thread."""
+        """Join as rank 0 (with the warm-up all-reduce every peer runs) on the trainer's GPU
+        (`refit_device`). The unique-id rendezvous has no barrier and cannot be interrupted: past the
+        timeout the init is left behind in its thread."""
         from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
 
-        device = next(iter(self._params.values())).device
+        device = refit_device(self.device)
         result: dict = {}
 
         def init() -> None:
@@ -111,7 +158,7 @@ class NcclSender(WeightSender):
 
     def broadcast(self, *, send: bool = True) -> int:
         """As WeightSender.broadcast; on the sender a watchdog aborts the communicator after
-        refit.timeout_seconds, after which the remaining buckets are only gathered."""
+        refit.timeout_seconds, after which the remaining entries are only gathered."""
         if not (send and self.is_sender):
             return super().broadcast(send=False)
         with Watchdog(self.timeout_seconds, self._abort, "refit broadcast (nccl)") as self._watchdog:
@@ -119,25 +166,39 @@ class NcclSender(WeightSender):
 
     def _abort(self) -> None:
         """The watchdog's action: abort the communicator (vLLM's destroy is ncclCommAbort), which ends
-        the blocked broadcast; later broadcasts on it do nothing, and send_bucket raises."""
+        the blocked broadcast; nothing more is sent on it (GuardedLink)."""
         self.communicator.destroy()
 
-    def send_bucket(self, bucket: list[BucketEntry], tensors: list[torch.Tensor]) -> None:
+    def deliver(self, gathered: Iterator[tuple[BucketEntry, torch.Tensor]]) -> int:
+        """ONE call of vLLM's packed producer over the whole refit, as vLLM's own trainer
+        (nccl_engine.py, NCCLTrainerWeightTransferEngine._broadcast): each tensor is gathered when
+        the producer pulls it, on the producer's stream (`gather_stream`), and chunk i + 1 is packed
+        while chunk i is on the wire (double buffering across buckets; a call per bucket would drain
+        the streams at each). The chunks are the plan's buckets (plan_packed_buckets)."""
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         self._check_alive()
-        pairs = ((entry.name, tensor.detach().to(getattr(torch, entry.dtype)).contiguous())
-                 for entry, tensor in zip(bucket, tensors))
+        link = GuardedLink(self.communicator, self._fired)
+        error = None
         try:
-            packed_nccl_broadcast_producer(iterator=pairs, group=self.communicator, src=0,
-                                           post_iter_func=lambda item: item[1],
-                                           buffer_size_bytes=self.bucket_bytes, num_buffers=PACKED_NUM_BUFFERS)
-        except RuntimeError as error:  # an NCCL error
-            raise RefitSendError(str(error)) from error
-        self._check_alive()
+            packed_nccl_broadcast_producer(iterator=((entry.name, tensor) for entry, tensor in gathered),
+                                           group=link, src=0, post_iter_func=lambda item: item[1],
+                                           buffer_size_bytes=self.packed_buffer_bytes,
+                                           num_buffers=PACKED_NUM_BUFFERS)
+        except RuntimeError as failure:  # an NCCL error; the caller gathers what is left
+            error = str(failure)
+        if error is None and self._fired():
+            error = (f"no progress within refit.timeout_seconds={self.timeout_seconds:g}; "
+                     f"the NCCL communicator was aborted")
+        if error is not None:
+            raise RefitSendError(f"{self.backend} broadcast failed after {link.sent} bytes: {error}")
+        return link.sent
+
+    def _fired(self) -> bool:
+        return self._watchdog is not None and self._watchdog.fired
 
     def _check_alive(self) -> None:
-        if self._watchdog is not None and self._watchdog.fired:
+        if self._fired():
             raise RefitSendError(f"no progress within refit.timeout_seconds={self.timeout_seconds:g}; "
                                  f"the NCCL communicator was aborted")
 
@@ -165,25 +226,32 @@ class NcclEngineSync(EngineWeightSync):
                                f"started for {self.backend} (refit.backend resolves differently on the two sides)")
         if self.joined:
             await llm.shutdown_weight_transfer_engine()
+            self.joined = False
         self.update_infos = bucket_update_infos(group["plan"])
         self.timeout_seconds = group["timeout_seconds"]
+        await llm.collective_rpc("molt_quiet_expected_reload_warnings")
         await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=worker_init_info(group)))
         self.joined = True
 
     async def prepare(self, llm, version: int) -> None:
-        await llm.collective_rpc("molt_arm_watchdog", kwargs={"timeout_seconds": self.timeout_seconds,
-                                                              "what": f"refit v{version} (nccl)"})
+        """Opens vLLM's update session; the watchdog is armed only at the first bucket (after the
+        controller's 'refit_go'), so it never counts other engines' pause time."""
         await llm.start_weight_update()
 
     async def receive(self, llm, version: int) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
+        """One `molt_update_weights` per bucket: each worker arms its watchdog at the first and
+        refuses any bucket once it fired (an aborted communicator would 'receive' uninitialised
+        buffers), then runs vLLM's update_weights."""
         self.mixed = True
-        for update_info in self.update_infos:
-            await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        # Raises if the watchdog fired: an aborted broadcast returns as if it had received.
+        what = f"refit v{version} (nccl)"
+        for index, update_info in enumerate(self.update_infos):
+            await llm.collective_rpc("molt_update_weights", kwargs={
+                "update_info": update_info, "first": index == 0, "timeout_seconds": self.timeout_seconds,
+                "what": what})
+        # Raises if the watchdog fired during the last bucket: an aborted broadcast returns as if it had received.
         await llm.collective_rpc("molt_disarm_watchdog")
         await llm.finish_weight_update()
+        await llm.collective_rpc("molt_retie_embeddings")  # vLLM's reload puts the old tied lm_head back
         self.mixed = False
 
     async def recover(self, llm) -> bool:

@@ -1,6 +1,6 @@
 """tools/bench/refit.py, scaled down to the tiny tensor-parallel model: both trainer layouts refit a
 TP=2 CPU engine through the trainer's own refit path, stdout holds only JSON lines, and the control
-figures are what the refit protocol promises (three messages per refit and engine, one collective
+figures are what the refit protocol promises (four messages per refit and engine, one collective
 per bucket on the sender and on each worker, two worker RPCs and three engine-core calls)."""
 
 import json
@@ -43,7 +43,7 @@ def test_refit_bench_runs_both_layouts_against_a_tensor_parallel_engine(tiny_tp_
         assert buckets > 1, "0.25 MiB buckets split the tiny model"
         assert control["collectives_per_refit"] == buckets
         assert control["worker_receives_per_refit"] == [buckets, buckets]
-        assert control["messages_received_per_refit_per_engine"] == {"refit": 1}
+        assert control["messages_received_per_refit_per_engine"] == {"refit": 1, "refit_go": 1}
         assert control["messages_sent_per_refit_per_engine"] == {"refit_done": 1, "refit_paused": 1}
         assert control["engine_worker_rpcs_per_refit"] == {"molt_prepare_refit": 1, "molt_receive_weights": 1}
         assert control["engine_core_calls_per_refit"] == {

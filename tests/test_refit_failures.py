@@ -6,7 +6,7 @@ CPU engine where the engine itself matters.
   within refit.timeout_seconds (never a hang); a rebuilt group then delivers every weight bit for bit.
 - case 4: the refit group torn down and rebuilt three times in a row (a restarted engine each time),
   with the sender on global rank 1 of two FSDP2 trainer ranks.
-- case 3: per refit attempt the controller sends one message per engine and receives two, and its
+- case 3: per refit attempt the controller sends two messages per engine and receives two, and its
   counters say what ZeroMQ took: a send to a rank that is gone raises, naming it, and counts nothing.
 - case 29: an engine whose broadcast stops part-way either kept its old weights (nothing was loaded:
   it resumes, serving bitwise the old log-probs under the old label) or stays paused until a refit
@@ -15,6 +15,7 @@ CPU engine where the engine itself matters.
 - case 2, the trainer's side: a rebuilt group that an engine cannot join stops the job naming it.
 """
 
+import asyncio
 import os
 import signal
 import threading
@@ -30,7 +31,7 @@ from molt.config import MoltConfig
 from molt.controller import RolloutController
 from molt.refit import RefitSender
 from molt.refit_receiver import RefitReceiver
-from molt.weight_sync import RefitSendError
+from molt.weight_sync import RefitError, RefitSendError
 from molt.wire import Router, connect_dealer, pack, unpack
 
 TIMEOUT_SECONDS = 5.0  # refit.timeout_seconds of these groups
@@ -238,6 +239,10 @@ def _stand_in_rollout_rank(address, rank: int, num_refits: int, counted: dict) -
             message = unpack(frame)
             reply = {"rank": rank, "version": message["version"], "attempt": message["attempt"], "error": None}
             socket.send(pack({"type": "refit_paused", **reply}))
+            frame = socket.recv()  # the controller's go, once every engine paused
+            counted["messages"] += 1
+            counted["bytes"] += len(frame)
+            assert unpack(frame) == {"type": "refit_go", "version": message["version"], "attempt": message["attempt"]}
             socket.send(pack({"type": "refit_done", **reply}))
         socket.recv()  # the shutdown, which the test sends last
     finally:
@@ -245,7 +250,7 @@ def _stand_in_rollout_rank(address, rank: int, num_refits: int, counted: dict) -
         context.term()
 
 
-def test_a_refit_costs_one_message_out_and_two_back_per_engine_counted_as_delivered(tmp_path):
+def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_delivered(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = MoltConfig()
     cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 60
@@ -264,8 +269,9 @@ def test_a_refit_costs_one_message_out_and_two_back_per_engine_counted_as_delive
             controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
             deadline = time.monotonic() + cfg.refit.timeout_seconds
             assert controller.await_paused(version, 1, deadline) is None
+            controller.decide_refit(version, 1, go=True)
             assert controller.finish_refit(version, 1, deadline, None) is None
-            assert router.messages_sent - before[0] == len(ranks)  # O(engines), never O(parameters)
+            assert router.messages_sent - before[0] == 2 * len(ranks)  # O(engines), never O(parameters)
             assert router.messages_received - before[2] == 2 * len(ranks)
         # A rollout rank that is gone: the send raises naming it, and nothing is counted as sent.
         before = (router.messages_sent, router.bytes_sent)
@@ -282,7 +288,7 @@ def test_a_refit_costs_one_message_out_and_two_back_per_engine_counted_as_delive
     assert router.messages_sent == sum(c["messages"] for c in counted.values()) + len(ranks)  # + the shutdowns
     shutdown_bytes = len(pack({"type": "shutdown"})) * len(ranks)
     assert router.bytes_sent == sum(c["bytes"] for c in counted.values()) + shutdown_bytes
-    assert all(c["messages"] == num_refits for c in counted.values())
+    assert all(c["messages"] == 2 * num_refits for c in counted.values())
 
 
 # -- case 29: a broadcast that stops part-way, on the real engine ---------------------------------------
@@ -315,8 +321,9 @@ def _refit_engine(engine, sender: RefitSender, version: int) -> BaseException | 
     sender.connect()
     joined.result(120)
 
-    async def broadcast_in_a_thread():
+    async def broadcast_in_a_thread() -> bool:
         threading.Thread(target=lambda: _timed_broadcast(sender), daemon=True).start()
+        return True  # the controller's go
 
     try:
         engine.run(engine.engine.swap_weights(version, partial_rollout=False, on_paused=broadcast_in_a_thread),
@@ -453,3 +460,239 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
     finally:
         controller.payloads.close()
         router.close()
+
+
+# -- case 34: one engine misses the pause; one dies mid-broadcast (the go/cancel protocol, in process) ---
+
+
+class LoadingReceiver(StandaloneReceiver):
+    """Molt's receiver code (the gloo group, the buffer, the stream of weights) over a stand-in for
+    vLLM's model runner that keeps what it is given: this test is about the protocol, not vLLM's
+    reload (the e2e tests above run the real one). `die_at_version`: its receive of that version
+    stops after the first bucket, as a worker killed mid-broadcast (it drops the group)."""
+
+    def __init__(self, die_at_version: int | None = None):
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.die_at_version = die_at_version
+        self.model_runner = self  # reload_weights below
+
+    def reload_weights(self, weights_iterator) -> None:
+        for name, tensor in weights_iterator:
+            self.loaded[name] = tensor.clone()
+
+    def molt_receive_weights(self, version: int) -> None:
+        if version != self.die_at_version:
+            return super().molt_receive_weights(version)
+        first_bucket = len(self._molt_plan[0])
+        for index, (name, tensor) in enumerate(self.molt_stream_weights()):
+            self.loaded[name] = tensor.clone()
+            if index + 1 == first_bucket:
+                self._molt_group = None  # the worker's connections close with it
+                raise RuntimeError("injected: the engine worker died mid-broadcast")
+
+    def _molt_retie_embeddings(self) -> None:  # vLLM model specifics, not in this stand-in
+        pass
+
+    def _molt_prepack_cpu_experts(self) -> None:
+        pass
+
+    def _molt_end_abandoned_reload(self) -> None:
+        pass
+
+
+class ProtocolLLM:
+    """Stands in for vLLM's AsyncLLM around one LoadingReceiver: pause/resume and the version label as
+    flags, worker RPCs run on the receiver in a thread (gloo receives block). Every call is logged
+    with its time. `pause_seconds`: the first pause takes that long (an engine that misses the
+    pause); `dead`: from the receiver's death on, every call fails as on a dead engine core."""
+
+    def __init__(self, receiver: LoadingReceiver, pause_seconds: float = 0.0):
+        self.receiver = receiver
+        self.pause_seconds = pause_seconds
+        self.paused = False
+        self.dead = False
+        self.labels: list[str] = []
+        self.log: list[tuple[float, str]] = []
+
+    def _call(self, what: str) -> None:
+        self.log.append((time.monotonic(), what))
+        if self.dead:
+            raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self._call("pause")
+        await asyncio.sleep(self.pause_seconds)
+        self.pause_seconds = 0.0
+        self.paused = True
+        self._call("paused")
+
+    async def resume_generation(self) -> None:
+        self._call("resume")
+        self.paused = False
+
+    async def collective_rpc(self, method: str, kwargs: dict | None = None) -> list:
+        self._call(method)
+        try:
+            return [await asyncio.to_thread(getattr(self.receiver, method), **(kwargs or {}))]
+        except RuntimeError as error:
+            if "died" in str(error):
+                self.dead = True
+            raise
+
+    async def reset_encoder_cache(self) -> None:
+        self._call("reset_encoder_cache")
+
+    async def update_weight_version(self, label: str) -> None:
+        self._call(f"label {label}")
+        self.labels.append(label)
+
+
+def _serve_rollout_ranks(services: list, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+    """RolloutService's message dispatch (its own handlers) for each service, on one event loop."""
+    from molt.wire import unpack as decode
+
+    async def serve(service) -> None:
+        await service.send({"type": "ready", "rank": service.rank})
+        handlers = service.handlers()
+        while not stop.is_set():
+            if await service.socket.poll(50):
+                message = decode(await service.socket.recv())
+                service.spawn_task(service.guarded(handlers[message["type"]], message))
+
+    async def main() -> None:
+        await asyncio.gather(*(serve(service) for service in services))
+        tasks = [task for service in services for task in service.tasks]
+        for task in tasks:  # a refit still waiting (an engine left paused): ended with the test
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    loop.run_until_complete(main())
+    loop.close()
+
+
+class ProtocolJob:
+    """A controller (the real Trainer refit methods over a real Router and RolloutController, one
+    trainer rank, the real gloo RefitSender) and rollout ranks (real RolloutService and RolloutEngine)
+    whose engines are ProtocolLLMs."""
+
+    def __init__(self, tmp_path, engines: list[ProtocolLLM], timeout_seconds: float, max_attempts: int):
+        import types
+
+        import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (the receive's import: seconds)
+
+        from molt.engine import RolloutEngine
+        from molt.refit import GlooEngineSync
+        from molt.rollout import RolloutService
+        from molt.trainer import Trainer
+
+        (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+        cfg = MoltConfig()
+        cfg.data.train_path, cfg.rollout.prompts_per_step = str(tmp_path / "train.jsonl"), 1
+        cfg.refit.timeout_seconds, cfg.refit.max_attempts = timeout_seconds, max_attempts
+        self.router = Router("127.0.0.1")
+        ranks = list(range(1, len(engines) + 1))
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.services = []
+        for rank, llm in zip(ranks, engines):
+            service = RolloutService(cfg, rank, self.router.address, "127.0.0.1")
+            service.engine = RolloutEngine(llm, None, weight_sync=GlooEngineSync())
+            self.services.append(service)
+        asyncio.set_event_loop(None)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=_serve_rollout_ranks, args=(self.services, self.loop, self.stop),
+                                       daemon=True)
+        self.thread.start()
+        self.controller = RolloutController(cfg, self.router, rollout_ranks=ranks)
+        self.model = _tiny_model()
+        sender = RefitSender(self.model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=timeout_seconds)
+        self.trainer = types.SimpleNamespace(cfg=cfg, refit=sender, router=self.router, controller=self.controller,
+                                             host="127.0.0.1", rollout_ranks=ranks, is_controller=True,
+                                             num_trainer_ranks=1, policy_version=0, refit_failures=0)
+        for method in ("open_refit_group", "push_weights", "attempt_refit", "agree_with_controller"):
+            setattr(self.trainer, method, types.MethodType(getattr(Trainer, method), self.trainer))
+        self.controller.expect("ready", len(ranks), 60, "start")
+        self.trainer.open_refit_group()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        for service in self.services:
+            service.socket.close(0)
+        self.controller.payloads.close()
+        self.router.close()
+
+
+def _times(llm: ProtocolLLM, what: str) -> list[float]:
+    return [at for at, name in llm.log if name == what]
+
+
+def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_and_the_retry_includes_it(
+        tmp_path):
+    """RELIABILITY 34 (issue 27, finding 9). Engine 3 pauses only after the attempt's deadline. The
+    controller says 'refit_cancel' at the deadline: engines 1 and 2, paused since the start, drop the
+    group at once without receiving anything and resume on their old weights under their old label,
+    before engine 3 has even paused (they used to sit in the broadcast until their own timeout).
+    The retry rebuilds the group with all three, and all three load the new weights."""
+    timeout = 3.0
+    receivers = [LoadingReceiver() for _ in range(3)]
+    engines = [ProtocolLLM(receivers[0]), ProtocolLLM(receivers[1]),
+               ProtocolLLM(receivers[2], pause_seconds=1.5 * timeout)]  # pauses after the deadline
+    job = ProtocolJob(tmp_path, engines, timeout_seconds=timeout, max_attempts=2)
+    try:
+        started = time.monotonic()
+        job.trainer.push_weights(version=1)
+        seconds = time.monotonic() - started
+    finally:
+        job.close()
+    assert job.trainer.policy_version == 1 and job.trainer.refit_failures == 1
+    assert seconds < 2 * timeout + SLACK_SECONDS
+    slow = engines[2]
+    slow_paused_at = _times(slow, "paused")[0]
+    for healthy in engines[:2]:
+        names = [name for _, name in healthy.log]
+        # attempt 1: paused, prepared, cancelled: recovered and left the group, resumed; nothing received
+        first = names[:names.index("resume") + 1]
+        assert first == ["molt_join_refit_group", "pause", "paused", "molt_prepare_refit", "molt_weights_intact",
+                         "molt_leave_refit_group", "resume"], first
+        assert _times(healthy, "resume")[0] < slow_paused_at  # cancelled at the deadline, not at a timeout
+        assert names.count("molt_receive_weights") == 1  # the retry's only
+    # Engine 3 paused late (its own attempt 1 failed there) and loaded in the retry with the others.
+    assert [name for _, name in slow.log].count("molt_receive_weights") == 1
+    for llm in engines:
+        assert llm.labels == ["1"] and not llm.paused
+    for receiver in receivers:
+        for name, parameter in job.model.named_parameters():
+            assert torch.equal(receiver.loaded[name], parameter.detach()), name
+
+
+def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine_serves_a_mix(tmp_path):
+    """Both engines pause and get 'refit_go'; engine 2's worker dies after the first bucket. The
+    attempt fails naming it; the retry cannot rebuild the group (its engine is dead) and the job
+    stops naming it, within the attempt's and the join's timeouts. Engine 1 either loaded everything
+    (and took the new label) or stays paused: it never serves a mix of old and new weights."""
+    from molt.controller import RolloutRankError
+
+    timeout = 3.0
+    receivers = [LoadingReceiver(), LoadingReceiver(die_at_version=1)]
+    engines = [ProtocolLLM(receivers[0]), ProtocolLLM(receivers[1])]
+    job = ProtocolJob(tmp_path, engines, timeout_seconds=timeout, max_attempts=2)
+    try:
+        started = time.monotonic()
+        with pytest.raises((RefitError, RolloutRankError), match="rollout-2|rollout rank 2"):
+            job.trainer.push_weights(version=1)
+        seconds = time.monotonic() - started
+    finally:
+        job.close()
+    assert seconds < 3 * timeout + SLACK_SECONDS
+    assert job.trainer.refit_failures >= 1
+    survivor = engines[0]
+    names = [name for _, name in survivor.log]
+    assert names.count("molt_receive_weights") == 1  # one go: no receive after the failed attempt
+    complete = all(torch.equal(receivers[0].loaded.get(name, torch.empty(0)), p.detach())
+                   for name, p in job.model.named_parameters())
+    if complete:
+        assert survivor.labels == ["1"]
+    else:
+        assert survivor.paused and survivor.labels == []
+    assert len(receivers[1].loaded) < len(list(job.model.parameters()))  # it did die part-way

@@ -14,8 +14,8 @@ What runs unchanged: `Trainer.open_refit_group`, `push_weights`, `attempt_refit`
 `agree_with_controller` (in `RefitTrainer`, a Trainer with only its refit parts built); the
 controller's refit waits (`RolloutController.expect`, `await_paused`, `finish_refit`) over its ZeroMQ
 `Router`; and on the engine side the rollout rank's message handlers `RolloutService.join_refit`,
-`refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused' -> the
-trainer ranks gather and the sender broadcasts -> the workers receive and load -> resume ->
+`refit`, `decide_refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused'
+-> 'refit_go' once every engine paused -> the trainer ranks gather and the sender broadcasts -> the workers receive and load -> resume ->
 'refit_done'. What differs from a job: no prompt loader, optimizer, payloads or metrics; the rollout
 rank has no agent workers or endpoint and its engine is idle (the pause waits for nothing); the
 workers run `TimedRefitReceiver`, Molt's receiver with a stopwatch around each bucket's broadcast;
@@ -237,7 +237,7 @@ class RefitTrainer(Trainer):
         self.router = controller.router if controller else None
         self.rollout_ranks = [ROLLOUT_RANK]
         self.policy_version, self.refit_failures = 0, 0
-        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device_type="cpu")
+        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device=torch.device("cpu"))
         self.refits: list[dict] = []  # the controller's timings of each attempt
         self.last_broadcast = (0.0, 0.0, 0)  # started, ended, bytes of the latest WeightSender.broadcast
         send = self.refit.broadcast
@@ -408,8 +408,7 @@ async def send_engine_stats(service, recorder: EngineRecorder, message: dict) ->
 async def serve_rollout_rank(service, recorder: EngineRecorder, trainers: list, results, tcp_rate: float) -> None:
     """The rollout rank's message loop (RolloutService.serve's dispatch, refit messages only), until
     trainer rank 0 has put its last record; reports each record as it comes."""
-    handlers = {"join_refit": service.join_refit, "refit": service.refit, "leave_refit": service.leave_refit,
-                "bench_stats": lambda message: send_engine_stats(service, recorder, message)}
+    handlers = {**service.handlers(), "bench_stats": lambda message: send_engine_stats(service, recorder, message)}
     await service.send({"type": "ready", "rank": service.rank})
     while True:
         if await service.socket.poll(200):
