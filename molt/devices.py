@@ -7,6 +7,8 @@ No torch import here: launch/run.sh calls `omp_num_threads` before anything heav
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import MutableMapping
 
 logger = logging.getLogger("molt")
@@ -58,3 +60,38 @@ def omp_num_threads(device_type: str, num_cpus: int, num_local_processes: int) -
     if device_type != "cuda":
         return 1
     return max(1, num_cpus // num_local_processes)
+
+
+def release_cache_before_wake(device_type: str, sleep_while_training: bool) -> bool:
+    """Whether a trainer rank hands its caching allocator's free blocks back to the driver after each
+    step: on CUDA, when the engine sharing its GPU slept through the step (rollout.sleep_while_training).
+    The engine's wake_up maps its weights and KV cache back into memory that must be free on the GPU
+    (vllm/device_allocator/cumem.py, CuMemAllocator.wake_up: cuMemCreate for every sleeping
+    allocation), and PyTorch keeps the step's freed activations cached for itself otherwise
+    (torch/cuda/memory.py, empty_cache: "Release all unoccupied cached memory ... so that those can be
+    used in other GPU application"). CPU: no allocator cache to release, no sleep mode."""
+    return device_type == "cuda" and sleep_while_training
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m molt.devices --config PATH [--set a.b=v ...] --processes N`: the OMP_NUM_THREADS each
+    of a node's N processes gets (launch/slurm*.sbatch export it before torchrun or srun, which would
+    otherwise leave 1 or every core)."""
+    from molt.config import ConfigError, build_arg_parser, load_config
+    from molt.train import trainer_device_type
+
+    parser = build_arg_parser("Print the OpenMP threads per process of a recipe's node (for launch/*.sbatch).")
+    parser.add_argument("--processes", type=int, required=True, help="processes on the node")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        threads = omp_num_threads(trainer_device_type(cfg), len(os.sched_getaffinity(0)), args.processes)
+    except (ConfigError, ValueError) as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    sys.stdout.write(f"{threads}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

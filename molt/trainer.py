@@ -20,6 +20,7 @@ from molt.console import StepProgress
 from molt.controller import (ROLLOUT_RANK_STOP_SECONDS, FailedStepStreak, RolloutController, StepRollouts,
                              compute_staleness)
 from molt.dataset import PromptRow
+from molt.devices import release_cache_before_wake
 from molt.experience import Experience
 from molt.evaluation import eval_due
 from molt.diagnostics import (PREFIX, WATCHED_RATIOS, DiagnosticsReport, DropWatcher, StepDiagnostics,
@@ -134,6 +135,7 @@ class Trainer:
                 report = self.report_diagnostics(step, diagnostics)
                 self.release_payloads()
             self.count_nonfinite(step, train_metrics)
+            self.release_cached_memory()
             if train_metrics["updated"]:
                 with self.timer.stage("refit"):
                     self.push_weights(version=self.policy_version + 1)
@@ -331,6 +333,12 @@ class Trainer:
         for the step; each wakes at its next refit, rollout or score (molt.rollout.wakes_engine)."""
         if self.is_controller and self.cfg.rollout.sleep_while_training:
             self.controller.send_to_rollout_ranks({"type": "sleep"})
+
+    def release_cached_memory(self) -> None:
+        """Before the engine on this rank's GPU wakes for the refit (rollout.sleep_while_training), hand
+        the step's cached, freed memory back to the driver (molt.devices.release_cache_before_wake)."""
+        if release_cache_before_wake(self.device.type, self.cfg.rollout.sleep_while_training):
+            torch.cuda.empty_cache()
 
     def next_batch(self, step: int) -> tuple[list[Experience], BatchInfo, list[int], dict[str, float]]:
         """This rank's experiences, the batch's rewards and groups, the micro-batch count of each

@@ -6,10 +6,12 @@ still there, so a library upgrade that changes it fails here first. The `gpu` te
 run the same paths on a CUDA device."""
 
 import datetime
+import importlib.util
 import inspect
 import logging
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +204,28 @@ def test_bf16_logprobs_on_cuda_are_float32_products() -> None:
     (hidden64 @ weight.double().T).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).sum().backward()
     error = ((cuda_hidden.grad.double().cpu() - hidden64.grad).norm() / hidden64.grad.norm()).item()
     assert error < 0.01, f"grad_hidden relative error {error:.2e}"
+
+
+def test_a_trainer_beside_a_sleeping_engine_releases_its_cache_on_cuda_only() -> None:
+    """The engine's wake_up needs its share of the GPU free (vllm/device_allocator/cumem.py,
+    CuMemAllocator.wake_up); torch keeps a step's freed activations cached otherwise."""
+    from molt.devices import release_cache_before_wake
+
+    assert release_cache_before_wake("cuda", sleep_while_training=True)
+    assert not release_cache_before_wake("cuda", sleep_while_training=False)  # the engine keeps its share awake
+    assert not release_cache_before_wake("cpu", sleep_while_training=True)  # refused at start-up anyway
+    cumem = Path(importlib.util.find_spec("vllm").origin).parent / "device_allocator" / "cumem.py"
+    assert "def wake_up" in cumem.read_text()
+
+
+def test_the_sbatch_scripts_ask_molt_devices_for_the_threads(capsys) -> None:
+    """launch/slurm*.sbatch print-and-export what molt.devices says for a recipe's node."""
+    from molt.devices import main
+
+    root = Path(__file__).resolve().parents[1]
+    assert main(["--config", str(root / "configs" / "demo.py"), "--processes", "2"]) == 0
+    assert capsys.readouterr().out == "1\n"  # a CPU recipe
+    cores = len(os.sched_getaffinity(0))
+    assert main(["--config", str(root / "configs" / "qwen3_30b_a3b_math_tool.py"), "--processes", "8"]) == 0
+    assert capsys.readouterr().out == f"{max(1, cores // 8)}\n"  # device=cuda: the cores shared out
+    assert main(["--config", str(root / "configs" / "demo.py"), "--processes", "0"]) == 2

@@ -182,6 +182,7 @@ def _script_env(slurm: dict[str, str], tmp_path: Path, hosts: str = "node01 node
     (stubs / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$STUB_DIR/srun.args"\n'
                                 'echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"\n'
                                 'echo "${SLURM_NTASKS_PER_NODE:-unset}" > "$STUB_DIR/srun.ntasks_per_node"\n'
+                                'echo "${OMP_NUM_THREADS:-unset}" > "$STUB_DIR/srun.omp"\n'
                                 'if [ -n "${SLURM_HOSTFILE:-}" ]; then\n'
                                 '  cp "$SLURM_HOSTFILE" "$STUB_DIR/srun.hosts"\n'
                                 'fi\n'
@@ -193,7 +194,7 @@ def _script_env(slurm: dict[str, str], tmp_path: Path, hosts: str = "node01 node
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith("SLURM_") and key not in TORCHRUN_VARIABLES + ("CONFIG",)}
+           if not key.startswith("SLURM_") and key not in TORCHRUN_VARIABLES + ("CONFIG", "OMP_NUM_THREADS")}
     env.update(PATH=f"{stubs}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, STUB_DIR=str(tmp_path),
                STUB_HOSTS=hosts, TMPDIR=str(tmp_path), MOLT_CHECKPOINTS=str(tmp_path / "absent"),
                SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]", **slurm)
@@ -209,6 +210,7 @@ def test_the_torchrun_script_splits_the_recipes_ranks_over_the_nodes(tmp_path):
     assert torchrun == ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node01:24242",
                         "--rdzv_id=4242", "-m", "molt.train", "--config", DEMO, *four_ranks]
     assert {"--ntasks=2", "--ntasks-per-node=1"} <= set(srun)
+    assert (tmp_path / "srun.omp").read_text().strip() == "1"  # a CPU recipe (molt.devices.omp_num_threads)
     # The recipe may also come from CONFIG; 3 ranks cannot be split over 2 nodes.
     (tmp_path / "srun.args").unlink()
     done = _run_script(SCRIPTS[0], ["--set", "layout.num_trainer_ranks=2"], {"SLURM_NNODES": "2", "CONFIG": DEMO},
@@ -222,6 +224,8 @@ def test_the_torchrun_script_takes_the_placements_nodes_and_refuses_uneven_ones(
     done = _run_script(SCRIPTS[0], [QWEN3], {"SLURM_NNODES": "2"}, tmp_path)
     assert done.returncode == 0, done.stderr
     assert {"--nnodes=2", "--nproc_per_node=8"} <= set((tmp_path / "srun.args").read_text().splitlines())
+    # A GPU recipe's 8 ranks a node share its cores (torchrun would give each 1: offloaded AdamW on one core).
+    assert (tmp_path / "srun.omp").read_text().strip() == str(max(1, len(os.sched_getaffinity(0)) // 8))
     (tmp_path / "srun.args").unlink()
     done = _run_script(SCRIPTS[0], [QWEN3], {"SLURM_NNODES": "3"}, tmp_path)
     assert done.returncode == 2
@@ -288,6 +292,7 @@ def test_the_srun_script_starts_one_task_per_rank(tmp_path):
                     "molt.train", "--config", DEMO, "--set", "train.num_steps=1"]
     assert (tmp_path / "srun.hosts").read_text().split() == ["node01", "node01"]
     assert (tmp_path / "srun.master").read_text().strip() == "node01:24242"
+    assert (tmp_path / "srun.omp").read_text().strip() == "1"  # a CPU recipe: engines and trainers share the cores
     assert not list(tmp_path.glob("molt-hosts-*"))  # the host file is removed when the script ends
     (tmp_path / "srun.args").unlink()
     # A CPU recipe's ranks split over the allocation's nodes; a GPU layout needs its own node count.
