@@ -12,12 +12,11 @@ shift
 SETTINGS=$("$PYTHON" -c "
 import os, sys
 from molt.config import load_config
-from molt.devices import omp_num_threads
-from molt.train import trainer_device_type
+from molt.devices import omp_num_threads, trainer_device_type
 args = sys.argv[2:]
 sets = [args[i + 1] for i, a in enumerate(args) if a == '--set']
 cfg = load_config(sys.argv[1], sets)
-print(cfg.world_size, omp_num_threads(trainer_device_type(cfg), len(os.sched_getaffinity(0)), cfg.world_size))" \
+print(cfg.world_size, omp_num_threads(trainer_device_type(cfg.device), len(os.sched_getaffinity(0)), cfg.world_size))" \
   "$CONFIG" "$@")
 read -r NPROC THREADS <<<"$SETTINGS"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$THREADS}"

@@ -1,19 +1,28 @@
 """Per-process settings that a GPU run needs and a CPU run never shows: how vLLM starts its engine
 processes, and how many OpenMP threads each local process gets. Each is a pure function whose CUDA
 answer a CPU test pins (tests/test_gpu_decisions.py), next to the library line that requires it.
-No torch import here: launch/run.sh calls `omp_num_threads` before anything heavy starts.
+torch is imported only where a function needs it: launch/run.sh calls `omp_num_threads` before
+anything heavy starts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from collections.abc import MutableMapping
 
 logger = logging.getLogger("molt")
 
 VLLM_START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def trainer_device_type(device: str) -> str:
+    """'cuda' or 'cpu': where trainer ranks compute for the `device` setting (cfg.device; auto: CUDA
+    when torch sees a GPU)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def vllm_worker_start_method(device: str) -> str:
@@ -72,26 +81,3 @@ def release_cache_before_wake(device_type: str, sleep_while_training: bool) -> b
     used in other GPU application"). CPU: no allocator cache to release, no sleep mode."""
     return device_type == "cuda" and sleep_while_training
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m molt.devices --config PATH [--set a.b=v ...] --processes N`: the OMP_NUM_THREADS each
-    of a node's N processes gets (launch/slurm*.sbatch export it before torchrun or srun, which would
-    otherwise leave 1 or every core)."""
-    from molt.config import ConfigError, build_arg_parser, load_config
-    from molt.train import trainer_device_type
-
-    parser = build_arg_parser("Print the OpenMP threads per process of a recipe's node (for launch/*.sbatch).")
-    parser.add_argument("--processes", type=int, required=True, help="processes on the node")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.set)
-        threads = omp_num_threads(trainer_device_type(cfg), len(os.sched_getaffinity(0)), args.processes)
-    except (ConfigError, ValueError) as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 2
-    sys.stdout.write(f"{threads}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,6 +14,7 @@ import torch
 
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig, resolve_enforce_eager
+from molt.devices import trainer_device_type
 from molt.images import ImageInputs, collapse_placeholders, count_stray_placeholders, image_digest, open_image
 from molt.route_capture import RouteTaker, count_unknown, dense_layer_indices, native_routes, route_capture_path
 from molt.routes import pad_routes
@@ -107,9 +108,7 @@ class RolloutEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from molt.train import trainer_device_type
-
-        backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg), colocate=cfg.layout.colocate)
+        backend = resolve_backend(cfg.refit.backend, trainer_device_type(cfg.device), colocate=cfg.layout.colocate)
         route_capture = route_capture_path(cfg, on_cpu=current_platform.is_cpu())
         args = build_engine_args(cfg, seed=seed, backend=backend, native_routes=route_capture == "native")
         vllm_config = None

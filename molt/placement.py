@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import sys
 from collections import Counter
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from molt.config import ConfigError, LayoutConfig, MoltConfig, build_arg_parser, load_config, validate_config
+from molt.devices import omp_num_threads, trainer_device_type
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -353,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_arg_parser("Print the processes each node of a recipe's layout runs (for launch/*.sbatch).")
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes of the allocation; a CPU recipe's ranks are split evenly over them")
+    parser.add_argument("--omp-threads", action="store_true",
+                        help="print instead the OMP_NUM_THREADS of each rank (molt.devices.omp_num_threads: 1 on "
+                             "CPU, this machine's cores shared out over the fullest node's ranks on GPUs)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
@@ -361,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         sys.stderr.write(f"error: {error}\n")
         return 2
+    if args.omp_threads:
+        threads = omp_num_threads(trainer_device_type(cfg.device), len(os.sched_getaffinity(0)), max(counts))
+        sys.stdout.write(f"{threads}\n")
+        return 0
     sys.stdout.write(" ".join(str(count) for count in counts) + "\n")
     return 0
 

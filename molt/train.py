@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from molt import devices
 from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_device_options, config_warnings,
                          engine_start_limit_seconds, load_config, validate_config)
 from molt.lifetime import die_with_owner, mark_owner
@@ -171,11 +172,7 @@ def _expand_host(pattern: str, hostlist: str) -> list[str]:
 
 def trainer_device_type(cfg: MoltConfig) -> str:
     """'cuda' or 'cpu': where trainer ranks will compute (device=auto: CUDA when visible)."""
-    import torch
-
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
+    return devices.trainer_device_type(cfg.device)
 
 
 def resolve_device(cfg: MoltConfig, local_rank: int) -> torch.device:

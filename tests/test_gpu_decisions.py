@@ -218,14 +218,14 @@ def test_a_trainer_beside_a_sleeping_engine_releases_its_cache_on_cuda_only() ->
     assert "def wake_up" in cumem.read_text()
 
 
-def test_the_sbatch_scripts_ask_molt_devices_for_the_threads(capsys) -> None:
-    """launch/slurm*.sbatch print-and-export what molt.devices says for a recipe's node."""
-    from molt.devices import main
+def test_the_sbatch_scripts_ask_molt_placement_for_the_threads(capsys) -> None:
+    """launch/slurm*.sbatch export what `python -m molt.placement --omp-threads` says for a recipe's
+    fullest node (molt.devices.omp_num_threads)."""
+    from molt.placement import main
 
     root = Path(__file__).resolve().parents[1]
-    assert main(["--config", str(root / "configs" / "demo.py"), "--processes", "2"]) == 0
+    assert main(["--config", str(root / "configs" / "demo.py"), "--omp-threads"]) == 0
     assert capsys.readouterr().out == "1\n"  # a CPU recipe
     cores = len(os.sched_getaffinity(0))
-    assert main(["--config", str(root / "configs" / "qwen3_30b_a3b_math_tool.py"), "--processes", "8"]) == 0
-    assert capsys.readouterr().out == f"{max(1, cores // 8)}\n"  # device=cuda: the cores shared out
-    assert main(["--config", str(root / "configs" / "demo.py"), "--processes", "0"]) == 2
+    assert main(["--config", str(root / "configs" / "qwen3_30b_a3b_math_tool.py"), "--omp-threads"]) == 0
+    assert capsys.readouterr().out == f"{max(1, cores // 8)}\n"  # device=cuda: 8 ranks a node share the cores
