@@ -218,13 +218,6 @@ class RolloutConfig(ConfigSection):
                               "of the GPU it shares with a trainer rank), e.g. 0.4")
         return {"kv_cache_memory_bytes": int(DEFAULT_KV_CACHE_GIGABYTES * 2**30)}
 
-    @property
-    def kv_cache_bytes(self) -> int | None:
-        """Each engine worker's KV-cache budget in bytes; None when engine_memory_fraction sizes the engine."""
-        if self.engine_memory_fraction > 0:
-            return None
-        return int((self.kv_cache_gigabytes or DEFAULT_KV_CACHE_GIGABYTES) * 2**30)
-
 
 @dataclass(kw_only=True)
 class TrainConfig(ConfigSection):
