@@ -72,11 +72,12 @@ class TrainerGroupTimeout:
         """The dry run's line: the total and each part with the fields it comes from."""
         refit, total = cfg.refit, self.total_seconds
         check = " + the refit check's scoring" if refit.check_every_steps else ""
+        start = cfg.rollout.engine_start_timeout_seconds
+        auto = ", auto: 300 s + 1.25 s per GiB of checkpoint per engine of a node" if start <= 0 else ""
         parts = [
             f"engine start {self.engine_start_seconds:,.0f} s ({TRAINER_HELLO_SECONDS} s hellos + "
             f"{self.engine_start_seconds - TRAINER_HELLO_SECONDS:,.0f} s: rollout.engine_start_timeout_seconds="
-            f"{cfg.rollout.engine_start_timeout_seconds:g}"
-            + (", auto: 300 s + 1.25 s per GiB of checkpoint per engine of a node)" if cfg.rollout.engine_start_timeout_seconds <= 0 else ")"),
+            f"{start:g}{auto})",
             f"refit {self.refit_seconds:,.0f} s (refit.max_attempts={refit.max_attempts} x (attempt + group build: "
             f"3 x refit.timeout_seconds={refit.timeout_seconds:g}){check})",
             f"batch {self.batch_seconds:,.0f} s (agent.rollout_timeout_seconds={cfg.agent.rollout_timeout_seconds:g} "
