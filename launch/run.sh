@@ -8,11 +8,11 @@ cd "$ROOT"
 CONFIG="${1:?usage: launch/run.sh configs/<recipe>.py[:function] [--set key=value ...]}"
 shift
 # The process count, and OpenMP threads per process: 1 on CPU, where the engines and the trainer share
-# the cores; on GPU the cores shared out (molt.devices.omp_num_threads). A value you export is kept.
+# the cores; on GPU the cores shared out (molt.distributed.devices.omp_num_threads). A value you export is kept.
 SETTINGS=$("$PYTHON" -c "
 import os, sys
 from molt.config import load_config
-from molt.devices import omp_num_threads, trainer_device_type
+from molt.distributed.devices import omp_num_threads, trainer_device_type
 args = sys.argv[2:]
 sets = [args[i + 1] for i, a in enumerate(args) if a == '--set']
 cfg = load_config(sys.argv[1], sets)

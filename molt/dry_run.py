@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, validate_config
-from molt.expert_parallel import count_experts
-from molt.placement import Placement, count_per_node, describe_launcher, place_ranks, span
+from molt.distributed.expert_parallel import count_experts
+from molt.distributed.placement import Placement, count_per_node, describe_launcher, place_ranks, span
 
 GIB = 2**30
 ROUTED_EXPERT = re.compile(r"(?:^|\.)experts\.")  # routed experts; a shared expert is dense compute
@@ -47,8 +47,8 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement],
                         checkpoint_bytes: int | None = None) -> Iterator[str]:
     """The layout, each rank's node and GPUs, the refit backend, the trainer group's timeout and the
     launch command. `checkpoint_bytes`: the model's size where model.path is absent (the engine-start limit)."""
-    from molt.train import trainer_group_timeout
-    from molt.weight_sync import resolve_backend
+    from molt.distributed.timeouts import trainer_group_timeout
+    from molt.refit.backends import resolve_backend
 
     layout, on_gpu = cfg.layout, cfg.device != "cpu"
     nodes: dict[int, list[Placement]] = {}
@@ -89,7 +89,7 @@ def describe_placements(cfg: MoltConfig, placements: list[Placement],
     # A rollout rank is one process; its engine's workers take its GPUs.
     yield f"launch: {describe_launcher(count_per_node(placements))}"
     yield ("note: at start-up every rank checks its host, LOCAL_RANK and GPUs against this placement "
-           "(molt.placement.check_placement); each rollout rank pins its engine to its GPUs with "
+           "(molt.distributed.placement.check_placement); each rollout rank pins its engine to its GPUs with "
            "CUDA_VISIBLE_DEVICES (molt.train.pin_engine_gpus); neither has run on GPUs yet")
 
 
@@ -129,8 +129,8 @@ def measure_model(cfg: MoltConfig, source: str, source_field: str) -> ModelFootp
     # Registers the "fake" backend: collectives return at once, so one process can play rank 0 of any size.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from molt.parallelize import ShardingPlan, build_trainer_mesh, count_checkpointed_blocks, shard_model
-    from molt.vision_language import auto_model_class, text_backbone
+    from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh, count_checkpointed_blocks, shard_model
+    from molt.models.vision_language import auto_model_class, text_backbone
 
     transformers.logging.set_verbosity_error()
     try:
@@ -208,7 +208,7 @@ def describe_memory(cfg: MoltConfig, model: ModelFootprint) -> Iterator[str]:
     a chunk's float32 logits, probabilities and gradient, and the head's float32 gradient accumulator);
     a frozen reference adds its shard in the compute dtype, a critic its own 16 B/param state.
     """
-    from molt.parallelize import ShardingPlan
+    from molt.distributed.parallelize import ShardingPlan
 
     layout, algo, train = cfg.layout, cfg.algorithm, cfg.train
     plan = ShardingPlan.from_config(cfg)
@@ -339,7 +339,7 @@ def describe_files(cfg: MoltConfig) -> Iterator[str]:
 
 def describe_prompt_sample(cfg: MoltConfig) -> Iterator[str]:
     """The prompt file's first rows, validated as the job validates every row before it starts."""
-    from molt.dataset import load_prompt_rows
+    from molt.controller.prompts import load_prompt_rows
 
     if not Path(cfg.data.train_path).is_file():
         return

@@ -2,10 +2,10 @@
 
     python -m molt.eval --config configs/demo.py [--set eval.n_samples=8] [--checkpoint DIR] [--out eval.json]
 
-One process starts one engine and the agent workers of one rollout rank (molt.agent_pool: the same
+One process starts one engine and the agent workers of one rollout rank (molt.rollout.agent_pool: the same
 agent file runs the same way as in training) and runs eval.n_samples rollouts of each prompt of the
 eval set (eval.data_path, or eval.holdout_rows of data.train_path), with the eval sampling settings
-and the same per-sample seeds as an eval during training (molt.evaluation). No trainer, no torchrun.
+and the same per-sample seeds as an eval during training (molt.controller.evaluation). No trainer, no torchrun.
 
 --checkpoint: a Hugging Face model directory, or a Molt `step_<N>` checkpoint (its actor weights are
 exported to a Hugging Face directory first, as tools/export_hf.py does); without it, model.path
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
-from molt.dataset import PromptRow, load_prompt_rows
-from molt.devices import apply_vllm_worker_start_method
-from molt.evaluation import EvalSample, build_eval_requests, compute_eval_metrics, sample_from_outcome, split_eval_rows
-from molt.lifetime import die_with_owner, mark_owner
+from molt.controller.evaluation import EvalSample, build_eval_requests, compute_eval_metrics, sample_from_outcome, split_eval_rows
+from molt.controller.prompts import PromptRow, load_prompt_rows
+from molt.distributed.devices import apply_vllm_worker_start_method
+from molt.distributed.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
 
 if __name__ == "__mp_main__":  # a process this command spawned (its engine core, an agent worker): it dies with it
@@ -63,7 +63,7 @@ def resolve_model_dir(checkpoint: str, cfg: MoltConfig, scratch_dir: str) -> str
     path = Path(checkpoint)
     if (path / "config.json").is_file():
         return str(path)
-    from molt.checkpoint import COMPLETE
+    from molt.trainer.checkpoint import COMPLETE
 
     if not (path / COMPLETE).is_file():
         raise ConfigError(f"--checkpoint {checkpoint!r} is neither a Hugging Face model directory (no config.json) "
@@ -83,8 +83,8 @@ async def run_eval_rollouts(cfg: MoltConfig, rows: list[PromptRow], engine, endp
                             progress_seconds: float = PROGRESS_SECONDS) -> list[EvalSample]:
     """Every eval sample of `rows`, run by agent workers of this process on `engine` (and, for a
     ChatAgent, `endpoint`, the session endpoint over it); in eval-set order."""
-    from molt.agent_pool import AgentWorkerPool
-    from molt.agent_worker import decode_outcome
+    from molt.rollout.agent_pool import AgentWorkerPool
+    from molt.transport.dispatch import decode_outcome
 
     pool = AgentWorkerPool(cfg, rank=0)
     try:
@@ -114,7 +114,7 @@ async def run_eval_rollouts(cfg: MoltConfig, rows: list[PromptRow], engine, endp
 async def evaluate_model(cfg: MoltConfig, rows: list[PromptRow]) -> list[EvalSample]:
     """Start one engine on model.path (and a session endpoint for a ChatAgent), run the eval, stop them."""
     from molt.endpoint.server import SessionEndpoint
-    from molt.engine import RolloutEngine
+    from molt.rollout.engine import RolloutEngine
 
     engine = RolloutEngine.start(cfg, seed=cfg.seed)
     endpoint = SessionEndpoint(engine, engine.tokenizer, model_name=Path(cfg.model.path).name,

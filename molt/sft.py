@@ -3,14 +3,14 @@
     python -m molt.sft --config configs/<recipe>.py[:FUNCTION] [--set sft.num_steps=200 ...]
     torchrun --nproc_per_node=N -m molt.sft --config ...   # N data-parallel trainer ranks
 
-The rows are chat rows (molt.dataset): `messages` whose assistant turns are trained, optional
+The rows are chat rows (molt.controller.prompts): `messages` whose assistant turns are trained, optional
 `tools`; a row in the RL format, whose messages end before the answer, trains on its `label` as the
 assistant's reply. Each row is rendered with the model's chat template one message at a time (as the
 session endpoint appends them), and the loss is minus the mean log-prob of the assistant turns'
 tokens, each turn up to and including its end-of-turn token: a token mean over the step's batch on
 every rank, like the RL loss. An MoE model adds its routers' load-balancing loss, as in
 pretraining. Model building, sharding, precision, activation checkpointing, the optimizer and
-micro-batching are the RL trainer's (molt.actor), read from the `train` section; the result is a
+micro-batching are the RL trainer's (molt.trainer.actor), read from the `train` section; the result is a
 Hugging Face model directory at sft.output_dir with `sft.json` (settings and summary) beside it.
 """
 
@@ -32,17 +32,18 @@ from typing import TYPE_CHECKING
 
 from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, check_sft_options,
                          check_trainer_mesh, check_trainer_options, field_type_errors, load_config)
-from molt.images import ImageEncoder, row_messages
+from molt.distributed.devices import resolve_device, trainer_device_type
+from molt.distributed.slurm import map_slurm_environment
 from molt.metrics import configure_logging
-from molt.train import map_slurm_environment, resolve_device, trainer_device_type
+from molt.trace.images import ImageEncoder, row_messages
 
 if TYPE_CHECKING:
     import torch
 
-    from molt.actor import Actor
-    from molt.batch import MicroBatch
-    from molt.dataset import PromptRow
-    from molt.experience import Experience
+    from molt.trainer.actor import Actor
+    from molt.trainer.batch import MicroBatch
+    from molt.controller.prompts import PromptRow
+    from molt.trace.experience import Experience
 
 logger = logging.getLogger("molt")
 
@@ -101,9 +102,9 @@ def tokenize_chat(tokenizer, messages: list[dict], tools: list[dict] | None = No
 
 def load_examples(path: str, tokenizer) -> list[Experience]:
     """Every row of `path` as an Experience whose action mask marks the trained tokens (rows checked
-    by molt.dataset: a bad one is a ValueError naming its file and line)."""
-    from molt.dataset import load_prompt_rows
-    from molt.experience import Experience
+    by molt.controller.prompts: a bad one is a ValueError naming its file and line)."""
+    from molt.controller.prompts import load_prompt_rows
+    from molt.trace.experience import Experience
 
     examples, encoder = [], None
     for index, row in enumerate(load_prompt_rows(path)):
@@ -159,7 +160,7 @@ def compute_sft_loss(actor: Actor, micro_batch: MicroBatch, denominator: float,
     """This micro-batch's share of the step's loss, -sum(log p of trained tokens) / `denominator`
     (the step's trained tokens over all ranks), plus the routers' load-balancing loss weighted by
     the micro-batch's share of those tokens; and its sums ("nll_sum", "tokens", "aux_sum")."""
-    from molt.actor import score_micro_batch
+    from molt.trainer.actor import score_micro_batch
 
     mask = micro_batch.action_mask
     logprobs, _ = score_micro_batch(actor.model, micro_batch)
@@ -179,7 +180,7 @@ def train_step(actor: Actor, micro_batches: list[MicroBatch], *, aux_loss_coef: 
     import torch
     import torch.distributed as dist
 
-    from molt.actor import compute_window_denominator
+    from molt.trainer.actor import compute_window_denominator
 
     actor.model.train()
     denominator = compute_window_denominator(micro_batches, group=actor.group, device=actor.device)
@@ -212,7 +213,7 @@ def gather_hf_state(model, *, dtype: torch.dtype, keep: bool) -> dict[str, torch
     import torch
     from torch.distributed.tensor import DTensor
 
-    from molt.hf_checkpoint import checkpoint_entries
+    from molt.models.hf_checkpoint import checkpoint_entries
 
     state = {}
     with torch.no_grad():
@@ -334,7 +335,7 @@ def validate_sft_config(cfg: MoltConfig, world_size: int) -> None:
           f"for the model config's router_aux_loss_coef")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    check_cpu_offload(cfg, trainer_device_type(cfg))
+    check_cpu_offload(cfg, trainer_device_type(cfg.device))
 
 
 def init_process_group(device: str, rank: int, world_size: int) -> None:
@@ -366,21 +367,21 @@ def run_sft(cfg: MoltConfig, rank: int, world_size: int, examples: list[Experien
     import torch
     import torch.distributed as dist
 
-    from molt.actor import Actor, build_actor_model, choose_layout
-    from molt.batch import build_windows, share_step_batch
-    from molt.checkpoint import checkpoint_run_id, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
+    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.trainer.batch import build_windows, share_step_batch
+    from molt.trainer.checkpoint import checkpoint_run_id, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
     from molt.console import ToolProgress
-    from molt.learner import optimizer_settings
-    from molt.parallelize import ShardingPlan, build_trainer_mesh
-    from molt.routing_replay import RoutingReplay
-    from molt.trainer import _pad_token_id
+    from molt.trainer.learner import optimizer_settings
+    from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
+    from molt.trainer.routing_replay import RoutingReplay
+    from molt.trainer.loop import _pad_token_id
 
     torch.manual_seed(cfg.seed)
     num_steps = resolve_num_steps(cfg, len(examples))
-    device_type = trainer_device_type(cfg)
+    device_type = trainer_device_type(cfg.device)
     init_process_group(device_type, rank, world_size)
     try:
-        device = resolve_device(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+        device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
         layout = cfg.layout
         mesh = build_trainer_mesh(num_trainer_ranks=world_size, device_type=device.type,
                                   data_parallel_replicate=layout.trainer_data_parallel_replicate,
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps}: must be at most the run's {num_steps} "
                               f"steps (sft.num_steps, or sft.epochs over {len(examples)} rows)")
         if not args.dry_run and cfg.checkpoint.interval_steps and not cfg.checkpoint.resume:
-            from molt.checkpoint import check_fresh_start
+            from molt.trainer.checkpoint import check_fresh_start
 
             check_fresh_start(cfg.checkpoint_dir, overwrite=cfg.checkpoint.overwrite, rank=rank)
     except ConfigError as error:

@@ -164,7 +164,7 @@ class EngineThread:
         import threading
 
         from molt.config import MoltConfig
-        from molt.engine import RolloutEngine
+        from molt.rollout.engine import RolloutEngine
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -13,7 +13,7 @@ their PYTHONPATH.
 import os
 import time
 
-from molt.refit_receiver import RefitReceiver
+from molt.rollout.worker_extension import WorkerExtension
 
 FAULTS = dict(item.split(":") for item in os.environ.get("MOLT_TEST_REFIT_FAULTS", "").split(",") if item)
 
@@ -22,7 +22,7 @@ def _sleep() -> None:
     time.sleep(float(os.environ["MOLT_TEST_REFIT_HANG_SECONDS"]))
 
 
-class FlakyRefitReceiver(RefitReceiver):
+class FlakyRefitReceiver(WorkerExtension):
     def molt_prepare_refit(self, version: int) -> None:
         if FAULTS.get(str(version)) == "stall":
             del FAULTS[str(version)]

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore  # noqa: E402
+from molt.transport.payloads import PayloadClient, PayloadRef, PayloadStore  # noqa: E402
 
 
 def make_tensors(seed: int, scale: int = 1) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from molt.engine import GenerationDelta
+from molt.trace.generation import GenerationDelta
 
 
 @dataclass

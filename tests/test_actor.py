@@ -8,11 +8,11 @@ import torch.distributed as dist
 import transformers
 from distributed import run_ranks
 
-from molt.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs, summarize_windows
-from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
-from molt.experience import Experience
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.trace.experience import Experience
+from molt.trainer.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs, summarize_windows
+from molt.trainer.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.trainer.optimizer import OptimizerSettings
 
 PAD = 0
 # Micro-batches hold temperatures in float32 (as the engine samples with them): 0.875 is exact there,

@@ -6,15 +6,15 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from molt.objectives import (
-    compute_dr_grpo_advantages,
-    compute_gae_advantages,
-    compute_group_mean_advantages,
-    compute_grpo_advantages,
-    compute_reinforce_pp_advantages,
-    compute_rloo_advantages,
-    compute_value_loss,
-    whiten,
-)
+                             compute_dr_grpo_advantages,
+                             compute_gae_advantages,
+                             compute_group_mean_advantages,
+                             compute_grpo_advantages,
+                             compute_reinforce_pp_advantages,
+                             compute_rloo_advantages,
+                             compute_value_loss,
+                             whiten,
+                             )
 from molt.objectives.advantages import SegmentHeads, chain_segments, compute_segment_heads
 
 GROUP_ESTIMATORS = [
@@ -555,10 +555,10 @@ def rows_of(per_experience: list[list[float]], micro_batch, own: list[int]) -> t
 def chained_rank(rank, world_size):
     """`set_token_advantages`, the learner's token path, with this rank's share of SEGMENTS in
     micro-batches of at most 16 tokens; per case, each own experience's advantages and returns."""
-    # Imported here: molt.learner brings in the model stack, which the other tests here do not need.
-    from molt.batch import build_micro_batches, count_micro_batches
-    from molt.experience import Experience
-    from molt.learner import BatchInfo, set_token_advantages
+    # Imported here: molt.trainer.learner brings in the model stack, which the other tests here do not need.
+    from molt.trainer.batch import build_micro_batches, count_micro_batches
+    from molt.trace.experience import Experience
+    from molt.trainer.learner import BatchInfo, set_token_advantages
 
     values, kl = segment_inputs(seed=13)
     experiences = [Experience(token_ids=[5] * len(mask), action_mask=mask, behavior_logprobs=[0.0] * len(mask),

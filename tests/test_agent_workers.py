@@ -1,4 +1,4 @@
-"""Agent worker processes (molt/agent_pool.py, molt/agent_worker.py): real worker processes
+"""Agent worker processes (molt/rollout/agent_pool.py, molt/rollout/agent_worker.py): real worker processes
 running real agent files against the real vLLM CPU engine and session endpoint of this test
 process, which plays the rollout rank. Faults: a killed worker, a blocking agent, a worker
 stuck past the rollout timeout, a rank that dies (RELIABILITY 8, 9, 12)."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from molt.agent_pool import AgentWorkerPool
 from molt.config import MoltConfig
+from molt.rollout.agent_pool import AgentWorkerPool
 from test_payloads import Exploit
 
 pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
@@ -212,8 +212,8 @@ def test_a_worker_stuck_past_the_rollout_timeout_is_killed_and_replaced(engine, 
 
 WORKERS_OF_A_DYING_RANK = """
 import asyncio, sys
-from molt.agent_pool import AgentWorkerPool
 from molt.config import MoltConfig
+from molt.rollout.agent_pool import AgentWorkerPool
 
 async def main():
     cfg = MoltConfig()

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
-from molt.experience import Experience
+from molt.trace.experience import Experience
+from molt.trainer.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 
 PAD = 0
 
@@ -112,7 +112,7 @@ def test_micro_batches_padded_to_requested_count():
 
 
 def test_a_rollout_with_several_segments_counts_once_in_its_group():
-    from molt.batch import compute_experience_advantages
+    from molt.trainer.batch import compute_experience_advantages
 
     def segment(rollout_id, group_id, reward, index=0):
         return Experience(token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
@@ -211,7 +211,7 @@ def test_an_experience_without_temperatures_costs_nothing_and_equals_the_default
 
 
 def test_build_windows_passes_the_run_temperature_on():
-    from molt.batch import build_windows, count_window_micro_batches
+    from molt.trainer.batch import build_windows, count_window_micro_batches
 
     experiences = make_experiences(seed=10, count=6, max_tokens=20)
     experiences[0].temperatures = [1.5] * experiences[0].num_tokens

@@ -91,7 +91,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert json_lines(done.stdout) == results
     summaries = {record["part"]: record for record in results if "status" in record}
     assert list(summaries) == ["mesh", "fsdp2_1b", "logprobs_fp32", "pytest_gpu"], done.stderr[-3000:]
-    for part in summaries:  # the log-prob part too: molt/logprobs.py computes bf16 logits in float32
+    for part in summaries:  # the log-prob part too: molt/trainer/logprobs.py computes bf16 logits in float32
         assert summaries[part]["status"] == "PASS", (tmp_path / "out" / f"{part}.log").read_text()[-3000:]
 
     figures = {record["figure"]: record for record in results if "figure" in record}

@@ -1,4 +1,4 @@
-"""Checkpoint files (molt/checkpoint.py): a writer killed at any point of a checkpoint leaves the
+"""Checkpoint files (molt/trainer/checkpoint.py): a writer killed at any point of a checkpoint leaves the
 previous complete one loadable, with the weights it was written with (RELIABILITY 16); a fresh run
 refuses a directory holding another run's checkpoints, and rotation removes only the run's own."""
 
@@ -15,13 +15,13 @@ import torch.distributed as dist
 from distributed import run_ranks
 from test_train_e2e import DEMO
 
-from molt.actor import Actor, build_actor_model
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.trainer.actor import Actor, build_actor_model
+from molt.trainer.optimizer import OptimizerSettings
 from molt import train
-from molt.checkpoint import (check_fresh_start, checkpoint_run_id, complete_checkpoints, load_checkpoint, resolve_resume,
-                             save_checkpoint, step_dir)
 from molt.config import ConfigError
+from molt.trainer.checkpoint import (check_fresh_start, checkpoint_run_id, complete_checkpoints, load_checkpoint, resolve_resume,
+                                     save_checkpoint, step_dir)
 
 CPU = torch.device("cpu")
 

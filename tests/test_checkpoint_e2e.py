@@ -15,7 +15,7 @@ import pytest
 
 from test_train_e2e import DEMO, ROOT, _alive, _descendants, _job_sets, _kill_tree, _torchrun
 
-from molt.optimizer import OptimizerSettings, lr_factor
+from molt.trainer.optimizer import OptimizerSettings, lr_factor
 
 # torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -39,7 +39,7 @@ def _prompts(out: Path) -> dict[int, dict]:
 
 def _run_and_kill_after_checkpoint(sets: list[str], marker: Path, timeout_seconds: float = 300) -> None:
     """Start the job and SIGKILL its ranks once `marker` exists: what they started (the engine core and
-    its vLLM worker, the agent workers) must die with them (molt/lifetime.py), as when the OOM killer
+    its vLLM worker, the agent workers) must die with them (molt/distributed/lifetime.py), as when the OOM killer
     takes a rank, and within seconds. The rest (torchrun, stragglers) is killed after."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "-m", "molt.train", "--config", DEMO]

@@ -8,11 +8,11 @@ import pytest
 from molt.config import (DEFAULT_GPU_ENGINE_MEMORY_FRACTION, ConfigError, LayoutConfig, MoltConfig,
                          check_device_options, checkpoint_bytes, count_engines_per_node, engine_start_limit_seconds, engine_start_seconds,
                          resolve_enforce_eager, validate_config)
-from molt.placement import (claim_gpus, describe_gpu_shortfall, find_placement_problems, node_gpu_ids,
-                            place_ranks, read_nvml_gpu_count)
-from molt.rollout import wakes_engine
+from molt.distributed.placement import (claim_gpus, describe_gpu_shortfall, find_placement_problems, node_gpu_ids,
+                                        place_ranks, read_nvml_gpu_count)
+from molt.refit.backends import resolve_backend
+from molt.rollout.rank import wakes_engine
 from molt.train import pin_engine_gpus
-from molt.weight_sync import resolve_backend
 
 GIB = 2**30
 
@@ -188,7 +188,7 @@ def test_a_sleeping_engine_wakes_for_what_uses_it():
 
 
 def test_the_cpu_engine_args_keep_eager_bytes_and_no_sleep(tiny_model_dir):
-    from molt.engine import build_engine_args
+    from molt.rollout.engine import build_engine_args
 
     cfg = MoltConfig(device="cpu")
     cfg.model.path = str(tiny_model_dir)

@@ -477,7 +477,7 @@ def test_engine_parallelism_that_adds_workers_per_engine_is_refused():
     # weight_transfer/nccl_common.py, worker_init_process_group), so PCP workers take the next engine's ranks.
     from vllm.config import ParallelConfig
 
-    from molt.engine import engine_args_errors
+    from molt.config.engine_args import engine_args_errors
 
     assert ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2).world_size == 4
     assert ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2).world_size == 2

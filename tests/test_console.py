@@ -14,10 +14,10 @@ import pytest
 from molt.agents.base import RolloutOutcome
 from molt.config import ConfigError, MoltConfig, validate_config
 from molt.console import Heartbeat, StepProgress, ToolProgress
-from molt.controller import FailedStepStreak, RolloutController, StepRollouts, gather_groups
-from molt.experience import Experience
-from molt.rollout import encode_outcome
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.controller.pool import FailedStepStreak, RolloutController, StepRollouts, gather_groups
+from molt.trace.experience import Experience
+from molt.transport.dispatch import encode_outcome
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 ALWAYS_FAILS_AGENT = str(Path(__file__).parent / "agents" / "always_fails.py")
 

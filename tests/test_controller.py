@@ -10,12 +10,12 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig
-from molt.controller import (Accounting, AccountingError, RolloutController, StepRollouts, compute_staleness,
-                             filter_groups_by_score, gather_groups, group_filter_reason, should_refill)
-from molt.experience import Experience
-from molt.rollout import split_by_version
-from molt.rollout import decode_outcome, encode_outcome
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.controller.pool import (Accounting, AccountingError, RolloutController, StepRollouts, compute_staleness,
+                                  filter_groups_by_score, gather_groups, group_filter_reason, should_refill)
+from molt.rollout.rank import split_by_version
+from molt.trace.experience import Experience
+from molt.transport.dispatch import decode_outcome, encode_outcome
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
 def _outcome(rollout_id: int, group_id: int, failure: str = "", reward: float | None = None) -> RolloutOutcome:

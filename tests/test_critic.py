@@ -7,18 +7,18 @@ import transformers
 from distributed import run_ranks
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from molt.actor import build_actor_model, compute_token_logprobs
-from molt.batch import assign_to_ranks, build_micro_batches, count_micro_batches
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
-from molt.critic import (
-    Critic,
-    ValueModel,
-    build_reference_model,
-    build_value_model,
-    compute_reference_logprobs,
-)
-from molt.experience import Experience
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.trace.experience import Experience
+from molt.trainer.actor import build_actor_model, compute_token_logprobs
+from molt.trainer.batch import assign_to_ranks, build_micro_batches, count_micro_batches
+from molt.trainer.critic import (
+                                 Critic,
+                                 ValueModel,
+                                 build_reference_model,
+                                 build_value_model,
+                                 compute_reference_logprobs,
+                                 )
+from molt.trainer.optimizer import OptimizerSettings
 
 PAD = 0
 CLIP_RANGE = 0.2

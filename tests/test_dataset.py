@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures_models import load_tool
 
-from molt.dataset import PromptRow, build_prompt_loader, load_prompt_rows
+from molt.controller.prompts import PromptRow, build_prompt_loader, load_prompt_rows
 
 make_demo_data = load_tool("make_demo_data")
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Consistency diagnostics (molt.diagnostics): histogram quantiles and buckets against naive loops,
+"""Consistency diagnostics (molt.trainer.diagnostics): histogram quantiles and buckets against naive loops,
 the reduction over 2 gloo ranks against one rank holding the union, the learner feeding the
 pre-update forward, token alignment catching a corrupted packed layout and a corrupted payload,
 the drop watcher, and the W&B histogram path offline."""
@@ -17,16 +17,16 @@ from test_actor import PAD, TEMPERATURE, make_actor, make_experiences
 from test_learner import grouped_experiences, learner_config, windows_of
 from test_metrics import history_rows, make_logger, read_jsonl, read_wandb_records, wandb_offline  # noqa: F401
 
-from molt.batch import build_micro_batches
-from molt.diagnostics import (BINS_PER_DECADE, DIFF_BOUNDARIES, ENTROPY_BUCKETS, ENTROPY_EDGES, PREFIX, QUANTILES,
-                              DiagnosticsReport, DropWatcher, StepDiagnostics, count_digest_mismatches,
-                              count_model_input_mismatches, histogram_charts, summarize_histogram)
-from molt.experience import Experience, compute_action_digest, split_at_version_changes
-from molt.learner import Learner
+from molt.distributed.parallelize import TrainerMesh
 from molt.objectives.policy_loss import MAX_ABS_LOG_RATIO
-from molt.parallelize import TrainerMesh
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, restore_experience
-from molt.wire import pack, unpack
+from molt.trace.experience import Experience, compute_action_digest, split_at_version_changes
+from molt.trainer.batch import build_micro_batches
+from molt.trainer.diagnostics import (BINS_PER_DECADE, DIFF_BOUNDARIES, ENTROPY_BUCKETS, ENTROPY_EDGES, PREFIX, QUANTILES,
+                                      DiagnosticsReport, DropWatcher, StepDiagnostics, count_digest_mismatches,
+                                      count_model_input_mismatches, histogram_charts, summarize_histogram)
+from molt.trainer.learner import Learner
+from molt.transport.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, restore_experience
+from molt.transport.wire import pack, unpack
 
 CPU = torch.device("cpu")
 RESOLUTION = 10 ** (1 / BINS_PER_DECADE)  # a reported quantile is within this factor above the true one
@@ -197,7 +197,7 @@ def learner_rank(rank, world_size, model_path):
 
 
 def actor_entropy(actor, micro_batch):
-    from molt.actor import score_micro_batch
+    from molt.trainer.actor import score_micro_batch
 
     return score_micro_batch(actor.model, micro_batch, with_entropy=True)[1]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from molt.config import ConfigError, load_config
+from molt.distributed.placement import place_ranks
+from molt.distributed.timeouts import trainer_group_timeout
 from molt.dry_run import PROMPT_SAMPLE_ROWS, describe_placements, dry_run_report
-from molt.placement import place_ranks
-from molt.train import trainer_group_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_RECIPE = ROOT / "configs" / "qwen3_30b_a3b_math_tool.py"

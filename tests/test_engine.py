@@ -16,9 +16,9 @@ import torch
 from conftest import SHARED_ENGINE_KV_CACHE_GIGABYTES, SHARED_ENGINE_MAX_NUM_SEQS
 from molt.agents.base import SamplingParams
 from molt.config import DEFAULT_KV_CACHE_GIGABYTES, ConfigError, MoltConfig, apply_override, validate_config
-from molt.engine import (EngineStartError, RolloutEngine, build_engine_args, cpu_thread_binding,
-                         describe_memory_shortfall, token_versions)
-from molt.refit import RefitSender
+from molt.refit.gloo import RefitSender
+from molt.rollout.engine import (EngineStartError, RolloutEngine, build_engine_args, cpu_thread_binding,
+                                 describe_memory_shortfall, token_versions)
 
 pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 

@@ -1,5 +1,5 @@
 """Engine routing: a group's rollouts run on one engine while load allows, otherwise the
-least-loaded engine by outstanding tokens takes the next rollout (molt.controller.EngineRouter),
+least-loaded engine by outstanding tokens takes the next rollout (molt.controller.pool.EngineRouter),
 and the controller dispatches, refills and resumes through it."""
 
 import json
@@ -9,11 +9,11 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import MoltConfig
-from molt.controller import RolloutController
-from molt.engine_router import EngineRouter, estimate_rollout_tokens
-from molt.experience import Experience
-from molt.rollout import encode_outcome
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
+from molt.controller.pool import RolloutController
+from molt.trace.experience import Experience
+from molt.transport.dispatch import encode_outcome
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 RANKS = [1, 2]
 
@@ -118,7 +118,7 @@ def test_the_token_estimate_counts_the_prompt_and_every_turn_it_may_sample():
 def _stand_in_rank(address: str, rank: int, received: list[tuple[int, dict]]) -> None:
     """A rollout rank that answers every request at once. Sample 0 of group 0 fails on its first
     attempt. Its engine 'prefills' 10 tokens for a prompt it has not seen and 2 for one it has,
-    and reports the running totals with each outcome, as molt.rollout does."""
+    and reports the running totals with each outcome, as molt.rollout.rank does."""
     socket = connect_dealer(address, f"rollout-{rank}")
     socket.send(pack({"type": "ready", "rank": rank}))
     seen, prompt_tokens, prefill_tokens = set(), 0, 0

@@ -1,4 +1,4 @@
-"""Evaluation (molt.evaluation, molt.controller.run_eval, molt.eval): the eval set, its requests and
+"""Evaluation (molt.controller.evaluation, molt.controller.pool.run_eval, molt.eval): the eval set, its requests and
 seeds, avg@k / pass@k against naive loops, and eval rollouts kept out of training."""
 
 import itertools
@@ -10,14 +10,14 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import ConfigError, MoltConfig
-from molt.controller import RolloutController
-from molt.dataset import PromptDataset, PromptRow, load_prompt_rows
+from molt.controller.evaluation import (EvalSample, build_eval_requests, compute_eval_metrics, eval_due, pass_at,
+                                        sample_from_outcome, split_eval_rows)
+from molt.controller.pool import RolloutController
+from molt.controller.prompts import PromptDataset, PromptRow, load_prompt_rows
 from molt.eval import read_eval_rows, resolve_model_dir
-from molt.evaluation import (EvalSample, build_eval_requests, compute_eval_metrics, eval_due, pass_at,
-                             sample_from_outcome, split_eval_rows)
-from molt.experience import Experience
-from molt.rollout import encode_outcome
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.trace.experience import Experience
+from molt.transport.dispatch import encode_outcome
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
 def _write_rows(path, count: int) -> str:

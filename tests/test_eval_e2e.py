@@ -12,10 +12,10 @@ import pytest
 
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
-from molt.dataset import load_prompt_rows
-from molt.engine import rollout_request_seed
+from molt.controller.evaluation import eval_sample_seed
+from molt.controller.prompts import load_prompt_rows
 from molt.eval import run_eval_rollouts
-from molt.evaluation import eval_sample_seed
+from molt.rollout.engine import rollout_request_seed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -38,7 +38,7 @@ def _naive_avg_and_pass(samples: list[dict], labels: list[str], tokenizer) -> tu
 def test_eval_samples_are_the_engines_generations_with_their_seeds(engine, tiny_model_dir, demo_data_dir):
     """Eval rollouts through the agent workers on the shared engine: each sample's tokens are what a
     direct generation with its seed samples, and its reward is the agent's verdict on their text."""
-    from molt.evaluation import compute_eval_metrics
+    from molt.controller.evaluation import compute_eval_metrics
 
     cfg = MoltConfig(seed=5)
     cfg.model.path, cfg.agent.path = str(tiny_model_dir), ADDITION_AGENT

@@ -4,7 +4,7 @@ shipped only when some action token differs from the run's, and kept through msg
 import msgpack
 import pytest
 
-from molt.experience import Experience, Segment, split_at_version_changes
+from molt.trace.experience import Experience, Segment, split_at_version_changes
 
 
 def two_turn_segment() -> Segment:

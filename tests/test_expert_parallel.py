@@ -1,4 +1,4 @@
-"""Expert parallelism on the trainer (molt.expert_parallel, layout.trainer_expert_parallel_size)
+"""Expert parallelism on the trainer (molt.distributed.expert_parallel, layout.trainer_expert_parallel_size)
 and the router freeze (train.freeze_router): on 2 gloo ranks, EP=2 gives plain FSDP2's loss,
 gradients, gradient norm and AdamW step; the all-to-all experts module gives transformers' own
 experts forward and backward, including ranks that send an expert nothing or have no tokens."""
@@ -14,14 +14,14 @@ from test_tensor_parallel import rank_micro_batches
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from molt.actor import Actor, PolicyLoss, build_actor_model
-from molt.checkpoint import load_checkpoint, save_checkpoint
 from molt.config import ConfigError, MoltConfig, validate_config
-from molt.critic import build_reference_model, build_value_model, compute_reference_logprobs
-from molt.expert_parallel import (ExpertParallelExperts, check_expert_parallel_support, count_experts,
-                                  freeze_routers)
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, build_trainer_mesh
+from molt.distributed.expert_parallel import (ExpertParallelExperts, check_expert_parallel_support, count_experts,
+                                              freeze_routers)
+from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
+from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.checkpoint import load_checkpoint, save_checkpoint
+from molt.trainer.critic import build_reference_model, build_value_model, compute_reference_logprobs
+from molt.trainer.optimizer import OptimizerSettings
 
 CPU = torch.device("cpu")
 LOSS = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, entropy_coef=0.01)

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from conftest import EngineThread
 from distributed import run_ranks
 
-from molt.actor import Actor, build_actor_model, compute_token_logprobs
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
-from molt.checkpoint import save_checkpoint
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.trainer.actor import Actor, build_actor_model, compute_token_logprobs
+from molt.trainer.checkpoint import save_checkpoint
+from molt.trainer.optimizer import OptimizerSettings
 
 # gloo ranks and a vLLM engine: not in the unit tier
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from molt.actor import attention_implementation, choose_attention
-from molt.devices import VLLM_START_METHOD, apply_vllm_worker_start_method, omp_num_threads, vllm_worker_start_method
-from molt.hf_checkpoint import build_empty_model
-from molt.logprobs import _chunk_logits, compute_chunked_logprobs, logits_matmul
-from molt.parallelize import build_trainer_mesh, group_options, group_options_class
+from molt.distributed.devices import VLLM_START_METHOD, apply_vllm_worker_start_method, omp_num_threads, vllm_worker_start_method
+from molt.distributed.parallelize import build_trainer_mesh, group_options, group_options_class
+from molt.models.hf_checkpoint import build_empty_model
+from molt.trainer.actor import attention_implementation, choose_attention
+from molt.trainer.logprobs import _chunk_logits, compute_chunked_logprobs, logits_matmul
 
 MINUTE = datetime.timedelta(seconds=60)
 NCCL_BUILD = dist.is_nccl_available()
@@ -209,7 +209,7 @@ def test_bf16_logprobs_on_cuda_are_float32_products() -> None:
 def test_a_trainer_beside_a_sleeping_engine_releases_its_cache_on_cuda_only() -> None:
     """The engine's wake_up needs its share of the GPU free (vllm/device_allocator/cumem.py,
     CuMemAllocator.wake_up); torch keeps a step's freed activations cached otherwise."""
-    from molt.devices import release_cache_before_wake
+    from molt.distributed.devices import release_cache_before_wake
 
     assert release_cache_before_wake("cuda", sleep_while_training=True)
     assert not release_cache_before_wake("cuda", sleep_while_training=False)  # the engine keeps its share awake
@@ -219,9 +219,9 @@ def test_a_trainer_beside_a_sleeping_engine_releases_its_cache_on_cuda_only() ->
 
 
 def test_the_sbatch_scripts_ask_molt_placement_for_the_threads(capsys) -> None:
-    """launch/slurm*.sbatch export what `python -m molt.placement --omp-threads` says for a recipe's
-    fullest node (molt.devices.omp_num_threads)."""
-    from molt.placement import main
+    """launch/slurm*.sbatch export what `python -m molt.distributed.placement --omp-threads` says for a recipe's
+    fullest node (molt.distributed.devices.omp_num_threads)."""
+    from molt.distributed.placement import main
 
     root = Path(__file__).resolve().parents[1]
     assert main(["--config", str(root / "configs" / "demo.py"), "--omp-threads"]) == 0

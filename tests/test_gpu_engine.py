@@ -3,7 +3,7 @@ in a fresh process, as a rollout rank does, with a time limit, so a hang is a fa
 
 - A rollout rank holds the torchrun world when it builds its engine; on CUDA vLLM would fork its
   engine core into that world and hang in a store barrier (finding 2 of issue 27), unless Molt makes
-  it spawn (molt.devices.vllm_worker_start_method).
+  it spawn (molt.distributed.devices.vllm_worker_start_method).
 - A colocated engine (layout.colocate) sized by rollout.engine_memory_fraction sleeps while the
   trainer steps (rollout.sleep_while_training): its GPU memory comes back to the trainer, and after
   waking it generates again.
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from molt.agents.base import SamplingParams
 from molt.config import MoltConfig
-from molt.devices import apply_vllm_worker_start_method
-from molt.engine import RolloutEngine
+from molt.distributed.devices import apply_vllm_worker_start_method
+from molt.rollout.engine import RolloutEngine
 
 def engine_config(model_dir):
     cfg = MoltConfig(device="cuda")

@@ -1,4 +1,4 @@
-"""Sharded loading (molt.hf_checkpoint) against `from_pretrained`, on 2 gloo ranks."""
+"""Sharded loading (molt.models.hf_checkpoint) against `from_pretrained`, on 2 gloo ranks."""
 
 import gc
 import json
@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from molt.critic import ValueModel
-from molt.hf_checkpoint import (LoadReport, build_empty_model, load_sharded_weights, local_index,
-                                parameters_on_meta)
-from molt.parallelize import TrainerMesh, build_trainer_mesh, shard_causal_lm
+from molt.distributed.parallelize import TrainerMesh, build_trainer_mesh, shard_causal_lm
+from molt.models.hf_checkpoint import (LoadReport, build_empty_model, load_sharded_weights, local_index,
+                                       parameters_on_meta)
+from molt.trainer.critic import ValueModel
 
 CPU = torch.device("cpu")
 TINY_VOCAB = 67  # odd, so the embedding's rows split unevenly (34/33) over two ranks

@@ -12,15 +12,15 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from molt.dataset import load_prompt_rows
+from molt.controller.prompts import load_prompt_rows
 from molt.endpoint.anthropic_messages import convert_messages
 from molt.endpoint.errors import RequestError
 from molt.endpoint.images import PromptImages, image_digests
 from molt.endpoint.messages import normalize_messages
 from molt.endpoint.openai_responses import convert_input
-from molt.experience import Experience, Segment, split_at_version_changes
-from molt.images import ImageEncoder, ImageError, ImageInputs, data_uri, image_digest, load_image_bytes, row_messages
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, reload_record
+from molt.trace.experience import Experience, Segment, split_at_version_changes
+from molt.trace.images import ImageEncoder, ImageError, ImageInputs, data_uri, image_digest, load_image_bytes, row_messages
+from molt.transport.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, reload_record
 
 
 def png(text: str, size=(96, 64)) -> bytes:
@@ -249,7 +249,7 @@ def png_of(image: Image.Image) -> bytes:
 
 def test_a_rollout_whose_policy_sampled_the_image_placeholder_fails():
     from molt.agents.base import RolloutOutcome
-    from molt.rollout import refuse_sampled_placeholders
+    from molt.rollout.rank import refuse_sampled_placeholders
 
     placeholder = 99
     images = ImageInputs(encoded=[png("1")], counts=[1], positions=[2], lengths=[3])

@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from molt.agents.base import Result, RolloutRequest, SamplingParams
 from molt.agents.env import Env, StepEnvRunner
-from molt.images import data_uri
+from molt.trace.images import data_uri
 
 pytestmark = pytest.mark.e2e
 

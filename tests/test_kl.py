@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from molt.objectives.kl import (
-    AdaptiveKLController,
-    compute_kl_estimate,
-    compute_kl_loss,
-    compute_kl_reward_penalty,
-)
+                                AdaptiveKLController,
+                                compute_kl_estimate,
+                                compute_kl_loss,
+                                compute_kl_reward_penalty,
+                                )
 
 # logprobs - ref_logprobs = 0.5, -1, 0
 LOGPROBS = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64)

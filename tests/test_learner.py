@@ -9,13 +9,13 @@ import torch.distributed as dist
 from distributed import run_ranks
 from test_actor import PAD, TEMPERATURE, full_gradients, make_actor, make_experiences, with_turn_temperatures
 
-from molt.actor import PolicyLoss
-from molt.batch import build_micro_batches, build_windows, count_window_micro_batches
 from molt.config import MoltConfig
-from molt.critic import Critic, build_value_model
-from molt.learner import BatchInfo, Learner
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.trainer.actor import PolicyLoss
+from molt.trainer.batch import build_micro_batches, build_windows, count_window_micro_batches
+from molt.trainer.critic import Critic, build_value_model
+from molt.trainer.learner import BatchInfo, Learner
+from molt.trainer.optimizer import OptimizerSettings
 
 CPU = torch.device("cpu")
 DECOUPLED = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, importance=("token", "trunc", 0.0, 2.0))

@@ -7,7 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from molt.logprobs import compute_chunked_logprobs
+from molt.trainer.logprobs import compute_chunked_logprobs
 
 
 def direct_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

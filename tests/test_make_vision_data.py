@@ -7,7 +7,7 @@ import pytest
 from fixtures_models import load_tool
 from PIL import Image
 
-from molt.dataset import load_prompt_rows
+from molt.controller.prompts import load_prompt_rows
 
 make_vision_data = load_tool("make_vision_data")
 make_demo_data = load_tool("make_demo_data")

@@ -16,11 +16,11 @@ from test_refit import refit_outside_vllm
 from test_train_e2e import DEMO, VARIED_AGENT, _job_sets, _torchrun
 from transformers import AutoConfig
 
-from molt.actor import compute_token_logprobs
 from molt.config import load_config
 from molt.dry_run import dry_run_report
-from molt.hf_checkpoint import SAFETENSORS_FILE, build_empty_model, load_sharded_weights
-from molt.refit import RefitSender
+from molt.models.hf_checkpoint import SAFETENSORS_FILE, build_empty_model, load_sharded_weights
+from molt.refit.gloo import RefitSender
+from molt.trainer.actor import compute_token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_RECIPE = f"{DEMO}:moe"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from molt.optimizer import OptimizerSettings, build_optimizer, group_parameters, lr_factor
+from molt.trainer.optimizer import OptimizerSettings, build_optimizer, group_parameters, lr_factor
 
 
 def settings(schedule: str, **fields) -> OptimizerSettings:

@@ -11,11 +11,11 @@ from distributed import run_ranks
 from test_actor import PAD, TEMPERATURE, make_actor
 from test_learner import grouped_experiences, learner_config, weights, windows_of
 
-from molt.batch import build_micro_batches
-from molt.experience import Experience
-from molt.learner import BatchInfo, Learner
+from molt.distributed.parallelize import TrainerMesh
 from molt.objectives.overlong import compute_longest_response, compute_overlong_penalty
-from molt.parallelize import TrainerMesh
+from molt.trace.experience import Experience
+from molt.trainer.batch import build_micro_batches
+from molt.trainer.learner import BatchInfo, Learner
 
 CPU = torch.device("cpu")
 

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from distributed import run_ranks
 from test_actor import PAD, PPO, TEMPERATURE, make_experiences
 
-from molt.actor import Actor, build_actor_model
-from molt.batch import build_micro_batches
 from molt.config import ConfigError, MoltConfig, validate_config
-from molt.critic import build_reference_model, build_value_model
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh
+from molt.trainer.actor import Actor, build_actor_model
+from molt.trainer.batch import build_micro_batches
+from molt.trainer.critic import build_reference_model, build_value_model
+from molt.trainer.optimizer import OptimizerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -23,14 +23,14 @@ import safetensors.torch
 import torch
 import zmq
 
-from molt.experience import Experience
-from molt.payloads import (
-    PayloadClient, PayloadRef, PayloadStore, offload_experience, offload_record, reload_record, restore_experience,
-)
-from molt.payloads.fields import payload_nbytes
-from molt.payloads.reference import ALIGNMENT
-from molt.payloads.store import INLINE_BYTES
-from molt.payloads.server import pack_header
+from molt.trace.experience import Experience
+from molt.transport.payloads import (
+                                     PayloadClient, PayloadRef, PayloadStore, offload_experience, offload_record, reload_record, restore_experience,
+                                     )
+from molt.transport.payloads.fields import payload_nbytes
+from molt.transport.payloads.reference import ALIGNMENT
+from molt.transport.payloads.server import pack_header
+from molt.transport.payloads.store import INLINE_BYTES
 from payload_node import make_tensors
 
 NODE_SCRIPT = Path(__file__).parent / "payload_node.py"
@@ -323,7 +323,7 @@ def test_spill_past_the_budget_reloads_from_file_on_both_paths(node_id, spill_di
             def crash(*args):
                 raise OSError("crash")
 
-            monkeypatch.setattr("molt.payloads.files.os.replace", crash)
+            monkeypatch.setattr("molt.transport.payloads.files.os.replace", crash)
             with pytest.raises(OSError, match="crash"):
                 store.offload(big)
             assert [p.suffix for p in spill_dir.iterdir()] == [".partial"]

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 from distributed import run_ranks
 
-import molt.dry_run
 from molt.config import ConfigError, LayoutConfig, MoltConfig
-from molt.placement import (
-    GpuClaim, PlacementError, check_placement, claim_gpus, describe_launcher, find_placement_problems,
-    format_tasks_per_node, gather_claims, place_ranks, placement_error, tasks_per_node,
-)
-from molt.train import expand_tasks_per_node, pin_engine_gpus
+from molt.distributed.placement import (
+                                        GpuClaim, PlacementError, check_placement, claim_gpus, describe_launcher, find_placement_problems,
+                                        format_tasks_per_node, gather_claims, place_ranks, placement_error, tasks_per_node,
+                                        )
+from molt.distributed.slurm import expand_tasks_per_node
+import molt.dry_run
+from molt.train import pin_engine_gpus
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.py")
 MOE_1T = LayoutConfig(num_trainer_ranks=128, num_rollout_ranks=8, engine_tensor_parallel_size=8, gpus_per_node=8)

@@ -84,7 +84,7 @@ def test_nan_and_null_values_are_skipped_and_a_run_without_any_ends_without_a_tr
 
 
 def write_run_with_eval(run_dir: Path) -> Path:
-    """Training rows for steps 1-20 and eval rows (their own lines, as molt.trainer logs them) at 0, 10, 20."""
+    """Training rows for steps 1-20 and eval rows (their own lines, as molt.trainer.loop logs them) at 0, 10, 20."""
     run_dir.mkdir()
     rows = [{"step": step, "reward/mean": step / 20} for step in range(1, 21)]
     for step in (0, 10, 20):

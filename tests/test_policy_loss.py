@@ -5,19 +5,19 @@ import torch
 
 from molt.objectives.kl import compute_kl_estimate, compute_kl_loss
 from molt.objectives.policy_loss import (
-    LOSS_AGGREGATIONS,
-    MAX_ABS_LOG_RATIO,
-    aggregate_tokens,
-    compute_cispo_loss,
-    compute_entropy_bonus,
-    compute_gspo_loss,
-    compute_importance_weights,
-    compute_loss_denominator,
-    compute_ppo_clip_loss,
-    compute_trust_region_weights,
-    count_sequences,
-    token_entropy_from_logits,
-)
+                                         LOSS_AGGREGATIONS,
+                                         MAX_ABS_LOG_RATIO,
+                                         aggregate_tokens,
+                                         compute_cispo_loss,
+                                         compute_entropy_bonus,
+                                         compute_gspo_loss,
+                                         compute_importance_weights,
+                                         compute_loss_denominator,
+                                         compute_ppo_clip_loss,
+                                         compute_trust_region_weights,
+                                         count_sequences,
+                                         token_entropy_from_logits,
+                                         )
 
 VALID_COMBINATIONS = [
     ("token", "trunc", 0.5, 1.3),  # low is unused by trunc

@@ -13,8 +13,8 @@ import reasoning_gym
 from molt.agents import RolloutRequest, SamplingParams, StepEnvRunner, load_agent_runner
 from molt.agents.env import StepState, run_with_timeout
 from molt.config import load_config, validate_config
-from molt.dataset import load_prompt_rows
-from molt.engine import Generation
+from molt.controller.prompts import load_prompt_rows
+from molt.trace.generation import Generation
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ROOT / "configs" / "agents" / "reasoning_gym_task.py"

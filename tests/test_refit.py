@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from molt.refit import RefitSender
-from molt.weight_sync import BucketEntry, plan_buckets
+from molt.refit.gloo import RefitSender
+from molt.refit.weight_sync import BucketEntry, plan_buckets
 
 # starts vLLM engines (not in the unit tier); refits wait up to 240 s
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -47,8 +47,8 @@ def test_plan_is_O_buckets_for_a_real_model(tiny_model_dir):
 
 
 def _trainer_rank(rank: int, world_size: int, model_dir: str, port_file: str, num_refits: int):
-    from molt.actor import build_actor_model, compute_token_logprobs
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import build_actor_model, compute_token_logprobs
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
     model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
@@ -153,7 +153,7 @@ def send_weights_to_engine(engine, model) -> None:
 def refit_outside_vllm(sender: RefitSender):
     """One broadcast of `sender` into a RefitReceiver in a thread, outside vLLM: (bytes sent, the
     receiver, {name: tensor} as received)."""
-    from molt.refit_receiver import RefitReceiver
+    from molt.refit.receiver import RefitReceiver
 
     class StandaloneReceiver(RefitReceiver):  # no tensor-parallel state to ask
         def molt_tensor_parallel_rank(self) -> int:
@@ -197,7 +197,7 @@ def test_buckets_carry_the_engine_dtype_and_the_sender_casts_into_them(model_pat
 def test_the_refit_rendezvous_is_bound_before_its_port_is_named():
     """The sender's store listens on the port the join message names from the moment it is named:
     no other process can take it in between, and a worker joining there forms the group."""
-    from molt.refit import join_refit_rendezvous, make_refit_group
+    from molt.refit.gloo import join_refit_rendezvous, make_refit_group
 
     sender = RefitSender(torch.nn.Linear(4, 2), is_sender=True, bucket_bytes=1 << 10, timeout_seconds=30)
     message = sender.group_message("127.0.0.1", 2)

@@ -28,11 +28,11 @@ import torch.multiprocessing as mp
 
 from distributed import run_ranks
 from molt.config import MoltConfig
-from molt.controller import RolloutController
-from molt.refit import RefitSender
-from molt.refit_receiver import RefitReceiver
-from molt.weight_sync import RefitError, RefitSendError
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.controller.pool import RolloutController
+from molt.refit.gloo import RefitSender
+from molt.refit.receiver import RefitReceiver
+from molt.refit.weight_sync import RefitError, RefitSendError
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 TIMEOUT_SECONDS = 5.0  # refit.timeout_seconds of these groups
 SLACK_SECONDS = 60.0  # what a loaded 2-core machine may add to a bound (stated, generous)
@@ -177,8 +177,8 @@ def _rebuild_three_times(rank: int, world_size: int, model_dir: str, num_rebuild
     """Two FSDP2 trainer ranks; global rank 1 sends. Each round: the old group is torn down, a fresh
     engine worker (a thread of rank 0's process here, as a restarted engine) joins a fresh group, the
     shards change, and the worker must receive exactly the gathered weights."""
-    from molt.actor import build_actor_model
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import build_actor_model
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
     model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
@@ -434,7 +434,7 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
     on a real controller socket, a real gloo rendezvous and one real joining worker)."""
     from types import SimpleNamespace
 
-    from molt.trainer import Trainer
+    from molt.trainer.loop import Trainer
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = MoltConfig()
@@ -549,7 +549,7 @@ class ProtocolLLM:
 
 def _serve_rollout_ranks(services: list, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
     """RolloutService's message dispatch (its own handlers) for each service, on one event loop."""
-    from molt.wire import unpack as decode
+    from molt.transport.wire import unpack as decode
 
     async def serve(service) -> None:
         await service.send({"type": "ready", "rank": service.rank})
@@ -580,10 +580,10 @@ class ProtocolJob:
 
         import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (the receive's import: seconds)
 
-        from molt.engine import RolloutEngine
-        from molt.refit import GlooEngineSync
-        from molt.rollout import RolloutService
-        from molt.trainer import Trainer
+        from molt.rollout.engine import RolloutEngine
+        from molt.refit.gloo import GlooEngineSync
+        from molt.rollout.rank import RolloutService
+        from molt.trainer.loop import Trainer
 
         (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
         cfg = MoltConfig()
@@ -671,7 +671,7 @@ def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine
     attempt fails naming it; the retry cannot rebuild the group (its engine is dead) and the job
     stops naming it, within the attempt's and the join's timeouts. Engine 1 either loaded everything
     (and took the new label) or stays paused: it never serves a mix of old and new weights."""
-    from molt.controller import RolloutRankError
+    from molt.controller.pool import RolloutRankError
 
     timeout = 3.0
     receivers = [LoadingReceiver(), LoadingReceiver(die_at_version=1)]

@@ -1,4 +1,4 @@
-"""molt.route_capture without an engine: how a worker files each step's routes per request, keeps
+"""molt.rollout.route_capture without an engine: how a worker files each step's routes per request, keeps
 the first route of a recomputed position, fills prefix-cache hits from the routes of the KV-cache
 blocks it computed, forgets what nobody takes, and which models capture."""
 
@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from molt import route_capture
 from molt.config import ConfigError
 from molt.config import MoltConfig
-from molt.route_capture import (BlockRoutes, RouteRecorder, StepLayout, count_unknown, external_request_id,
-                                dense_layer_indices, find_route_block_group, native_routes, resolve_capture_routes,
-                                route_capture_path)
-from molt.routes import decode_routes
+from molt.rollout import route_capture
+from molt.rollout.route_capture import (BlockRoutes, RouteRecorder, StepLayout, count_unknown, external_request_id,
+                                        dense_layer_indices, find_route_block_group, native_routes, resolve_capture_routes,
+                                        route_capture_path)
+from molt.trace.routes import decode_routes
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 3, 2, 8
 
@@ -59,7 +59,7 @@ def test_steps_are_filed_per_request_by_absolute_position():
 
 def test_a_recomputed_position_keeps_its_first_route():
     """A request preempted (or retained across a refit that cleared the cache) recomputes its
-    prefix; the positions keep the routes recorded first (molt.routes)."""
+    prefix; the positions keep the routes recorded first (molt.trace.routes)."""
     recorder = RouteRecorder(NUM_LAYERS, TOP_K, read_layout=None)
     first, again = random_routes(6, seed=1), random_routes(8, seed=2)
     run_step(recorder, StepLayout(request_ids=["a"], starts=[0], counts=[6]), first)
@@ -120,7 +120,7 @@ def test_a_reused_block_serves_the_routes_of_its_latest_content():
 
 
 def test_a_hit_without_block_routes_yields_to_a_later_recompute():
-    """The first route recorded wins (molt.routes), but an unknown one is not a route: a position a
+    """The first route recorded wins (molt.trace.routes), but an unknown one is not a route: a position a
     hit could not fill takes the route of a later recompute (a preempted request), a filled one
     keeps the route it was served."""
     recorder = RouteRecorder(NUM_LAYERS, TOP_K, read_layout=None, blocks=BlockRoutes(BLOCK, NUM_LAYERS, TOP_K))

@@ -1,4 +1,4 @@
-"""Route capture in the real vLLM CPU engine on the tiny Qwen3-MoE (molt.route_capture): shapes, the
+"""Route capture in the real vLLM CPU engine on the tiny Qwen3-MoE (molt.rollout.route_capture): shapes, the
 routes against a direct engine forward and against Hugging Face's router, prefix-cache hits (served
 the routes of the blocks an earlier request computed), concurrent requests, and the refusal of
 capture on a dense model. The engine is conftest's shared `moe_engine`."""
@@ -10,7 +10,7 @@ import torch
 
 from molt.agents.base import SamplingParams
 from molt.config import ConfigError, MoltConfig
-from molt.engine import RolloutEngine
+from molt.rollout.engine import RolloutEngine
 
 # Engine and Hugging Face router logits are both fp32; a token whose k-th and (k+1)-th expert logits
 # are closer than this may be routed either way by two correct implementations (a near tie).

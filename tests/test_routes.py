@@ -13,16 +13,16 @@ import msgpack
 import pytest
 import torch
 
-from molt.agent_worker import decode_generation, encode_generation
 from molt.agents import Env, Result, RolloutRequest, SamplingParams, StepEnvRunner
 from molt.agents.chat import build_experiences
-from molt.batch import build_micro_batches, count_micro_batches
-from molt.engine import Generation
-from molt.experience import Experience, Segment, split_at_version_changes
-from molt.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, reload_record
-from molt.payloads.fields import payload_nbytes
-from molt.payloads.reference import ALIGNMENT
-from molt.routes import UNKNOWN, count_known
+from molt.trace.experience import Experience, Segment, split_at_version_changes
+from molt.trace.generation import Generation
+from molt.trace.routes import UNKNOWN, count_known
+from molt.trainer.batch import build_micro_batches, count_micro_batches
+from molt.transport.dispatch import decode_generation, encode_generation
+from molt.transport.payloads import PayloadClient, PayloadRef, PayloadStore, offload_record, reload_record
+from molt.transport.payloads.fields import payload_nbytes
+from molt.transport.payloads.reference import ALIGNMENT
 
 LAYERS, TOP_K = 2, 2  # the tiny MoE preset's
 

@@ -1,11 +1,11 @@
-"""Routing replay (molt.routing_replay) on a small transformers Qwen3-MoE, against naive loops."""
+"""Routing replay (molt.trainer.routing_replay) on a small transformers Qwen3-MoE, against naive loops."""
 
 import pytest
 import torch
 import transformers
 
-from molt.routes import UNKNOWN
-from molt.routing_replay import RoutingReplay, find_routers
+from molt.trace.routes import UNKNOWN
+from molt.trainer.routing_replay import RoutingReplay, find_routers
 
 NUM_EXPERTS, TOP_K = 6, 2
 
@@ -209,10 +209,10 @@ def replay_gradients_rank(rank, world_size, model_path, experiences, advantages)
     import torch.distributed as dist
     from test_actor import PAD, TEMPERATURE, build_rank_micro_batches, full_gradients, window_gradients
 
-    from molt.actor import Actor, build_actor_model
-    from molt.batch import build_micro_batches
-    from molt.optimizer import OptimizerSettings
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import Actor, build_actor_model
+    from molt.trainer.batch import build_micro_batches
+    from molt.trainer.optimizer import OptimizerSettings
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     def make_replaying_actor(group, plan):
         model = build_actor_model(model_path, mesh=TrainerMesh.from_group(group, "cpu"), device=torch.device("cpu"),

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from molt.actor import install_scoring_head, score_micro_batch
 from molt.agents.base import SamplingParams
-from molt.batch import build_micro_batches
-from molt.experience import Experience, Segment
+from molt.trace.experience import Experience, Segment
+from molt.trainer.actor import install_scoring_head, score_micro_batch
+from molt.trainer.batch import build_micro_batches
 
 pytestmark = pytest.mark.e2e  # starts a vLLM engine
 

@@ -12,7 +12,7 @@ from distributed import run_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt.config import MoltConfig, validate_config
-from molt.dataset import PromptRow
+from molt.controller.prompts import PromptRow
 from molt.sft import chat_messages, iterate_batches, load_examples, sft_settings, tokenize_chat
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,11 +137,11 @@ def test_settings_change_when_the_base_model_or_the_data_is_rewritten_in_place(t
 def _one_step(rank: int, world_size: int, model_dir: str, rows: list[dict], packing: bool) -> dict:
     import torch.distributed as dist
 
-    from molt.actor import Actor, build_actor_model, choose_layout
-    from molt.batch import build_windows, share_step_batch
-    from molt.experience import Experience
-    from molt.optimizer import OptimizerSettings
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.trainer.batch import build_windows, share_step_batch
+    from molt.trace.experience import Experience
+    from molt.trainer.optimizer import OptimizerSettings
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
     from molt.sft import train_step
 
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from molt.config import load_config
-from molt.placement import claim_gpus, find_placement_problems, format_tasks_per_node, place_ranks
-from molt.train import expand_hostlist, expand_tasks_per_node, job_host, map_slurm_environment
+from molt.distributed.placement import claim_gpus, find_placement_problems, format_tasks_per_node, place_ranks
+from molt.distributed.slurm import expand_hostlist, expand_tasks_per_node, job_host, map_slurm_environment
 
 pytestmark = pytest.mark.e2e  # starts vLLM engines or torchrun jobs: not in the unit tier
 
@@ -210,7 +210,7 @@ def test_the_torchrun_script_splits_the_recipes_ranks_over_the_nodes(tmp_path):
     assert torchrun == ["--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node01:24242",
                         "--rdzv_id=4242", "-m", "molt.train", "--config", DEMO, *four_ranks]
     assert {"--ntasks=2", "--ntasks-per-node=1"} <= set(srun)
-    assert (tmp_path / "srun.omp").read_text().strip() == "1"  # a CPU recipe (molt.devices.omp_num_threads)
+    assert (tmp_path / "srun.omp").read_text().strip() == "1"  # a CPU recipe (molt.distributed.devices.omp_num_threads)
     # The recipe may also come from CONFIG; 3 ranks cannot be split over 2 nodes.
     (tmp_path / "srun.args").unlink()
     done = _run_script(SCRIPTS[0], ["--set", "layout.num_trainer_ranks=2"], {"SLURM_NNODES": "2", "CONFIG": DEMO},

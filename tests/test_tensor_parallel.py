@@ -1,4 +1,4 @@
-"""The trainer mesh dp_replicate x dp_shard x tp (molt.parallelize): tensor parallelism with
+"""The trainer mesh dp_replicate x dp_shard x tp (molt.distributed.parallelize): tensor parallelism with
 sequence-parallel norms and HSDP give plain FSDP2's loss and gradients, and every layout loads and
 gathers the checkpoint's weights. Gloo worlds of 3 processes where rank 2 plays a rollout rank (in
 the world, not in the mesh)."""
@@ -13,12 +13,12 @@ from test_actor import PAD, TEMPERATURE, full_gradients, make_experiences, with_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from molt.actor import Actor, PolicyLoss, build_actor_model
-from molt.batch import assign_to_ranks, build_micro_batches
-from molt.critic import build_reference_model, build_value_model, compute_reference_logprobs
-from molt.hf_checkpoint import build_empty_model
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh, check_tensor_parallel_support
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh, check_tensor_parallel_support
+from molt.models.hf_checkpoint import build_empty_model
+from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.batch import assign_to_ranks, build_micro_batches
+from molt.trainer.critic import build_reference_model, build_value_model, compute_reference_logprobs
+from molt.trainer.optimizer import OptimizerSettings
 
 CPU = torch.device("cpu")
 NUM_TRAINERS = 2
@@ -318,7 +318,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tmp_path, qwen3_path):
 def checkpoint_rank(rank, world_size, model_path, root, save_layout, load_layout):
     """Train one window in `save_layout`, checkpoint (weights and AdamW state), then load into a
     fresh model of `load_layout` and train the same next window in both: weights must agree."""
-    from molt.checkpoint import load_checkpoint, save_checkpoint, step_dir
+    from molt.trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir
 
     trainer_group = dist.new_group(list(range(NUM_TRAINERS)))
     experiences, advantages = make_experiences(seed=7, count=8)

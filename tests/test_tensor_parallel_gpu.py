@@ -14,11 +14,11 @@ from test_actor import TEMPERATURE, full_gradients, make_experiences
 from test_tensor_parallel import LOSS, save_model
 from torch.distributed.device_mesh import DeviceMesh
 
-from molt.actor import Actor, build_actor_model, install_scoring_head, shard_and_load
-from molt.batch import build_micro_batches
-from molt.hf_checkpoint import build_empty_model
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh, apply_tensor_parallel
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh, apply_tensor_parallel
+from molt.models.hf_checkpoint import build_empty_model
+from molt.trainer.actor import Actor, build_actor_model, install_scoring_head, shard_and_load
+from molt.trainer.batch import build_micro_batches
+from molt.trainer.optimizer import OptimizerSettings
 
 PAD = 5
 

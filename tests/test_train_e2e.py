@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.optimizer import OptimizerSettings, lr_factor
+from molt.trainer.optimizer import OptimizerSettings, lr_factor
 
 # torchrun jobs: not in the unit tier; 600 s is above each job's own limit (420 s or less)
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

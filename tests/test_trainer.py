@@ -2,9 +2,9 @@
 
 from collections import Counter
 
-from molt.controller import StepRollouts
-from molt.experience import Experience
-from molt.trainer import _rollout_metrics
+from molt.controller.pool import StepRollouts
+from molt.trace.experience import Experience
+from molt.trainer.loop import _rollout_metrics
 
 
 def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():

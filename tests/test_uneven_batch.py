@@ -9,9 +9,9 @@ from distributed import run_ranks
 from test_actor import PAD, TEMPERATURE, make_actor
 from test_learner import grouped_experiences, learner_config, weights
 
-from molt.batch import build_windows, share_step_batch
-from molt.learner import BatchInfo, Learner
-from molt.parallelize import TrainerMesh
+from molt.distributed.parallelize import TrainerMesh
+from molt.trainer.batch import build_windows, share_step_batch
+from molt.trainer.learner import BatchInfo, Learner
 
 CPU = torch.device("cpu")
 BUDGET = 10_000  # tokens per micro-batch

@@ -16,13 +16,13 @@ from distributed import run_ranks
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from molt.actor import Actor, PolicyLoss, build_actor_model
-from molt.batch import build_micro_batches
-from molt.experience import Experience
-from molt.images import ImageInputs
-from molt.optimizer import OptimizerSettings
-from molt.parallelize import ShardingPlan, TrainerMesh
-from molt.vision_language import format_image_inputs
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.models.vision_language import format_image_inputs
+from molt.trace.experience import Experience
+from molt.trace.images import ImageInputs
+from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.batch import build_micro_batches
+from molt.trainer.optimizer import OptimizerSettings
 
 CPU = torch.device("cpu")
 TEMPERATURE = 0.875
@@ -204,8 +204,8 @@ def test_two_ranks_score_and_train_images_beside_text_only_ranks(tiny_vlm_path, 
 
 def refit_rank(rank: int, world_size: int, model_path, port_file: str, experience: Experience) -> list[float]:
     """Perturb every shard (the vision tower's too), refit the engine, and score `experience` at temperature 1."""
-    from molt.actor import score_tokens
-    from molt.refit import RefitSender
+    from molt.trainer.actor import score_tokens
+    from molt.refit.gloo import RefitSender
 
     model = build_actor_model(str(model_path), mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU,
                               plan=ShardingPlan(param_dtype=torch.float32))
@@ -234,7 +234,7 @@ def engine_image_logprobs(engine, experience: Experience, image_token_id: int) -
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from molt.images import collapse_placeholders, open_image
+    from molt.trace.images import collapse_placeholders, open_image
 
     collapsed = collapse_placeholders(experience.token_ids, experience.images, image_token_id)
     prompt = TokensPrompt(prompt_token_ids=collapsed,
@@ -261,7 +261,7 @@ def test_refit_from_two_fsdp_ranks_moves_the_engines_image_logprobs_to_the_train
     prompt as the trainer does."""
     from test_refit import send_weights_to_engine
 
-    from molt.refit import RefitSender
+    from molt.refit.gloo import RefitSender
 
     experience = experiences[2]  # two images
     processor = AutoProcessor.from_pretrained(tiny_vlm_path)
@@ -303,7 +303,7 @@ def test_refit_from_two_fsdp_ranks_moves_the_engines_image_logprobs_to_the_train
 def test_an_unknown_vision_language_model_is_refused_by_name():
     from transformers import LlavaConfig, Qwen3Config
 
-    from molt.vision_language import auto_model_class
+    from molt.models.vision_language import auto_model_class
 
     with pytest.raises(ValueError, match="'llava' is a vision-language model"):
         auto_model_class(LlavaConfig())

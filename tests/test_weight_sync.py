@@ -1,4 +1,4 @@
-"""Weight sync (molt.weight_sync): the parts of both backends that run on a CPU. The NCCL calls
+"""Weight sync (molt.refit.weight_sync): the parts of both backends that run on a CPU. The NCCL calls
 themselves need a GPU and vLLM's CUDA build; here the NCCL backend's messages are checked against
 vLLM's own init and update dataclasses, its bucket geometry against vLLM's packed producer and
 consumer over a loopback stand-in for the communicator, and its watchdog against a stand-in
@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from molt.config import ConfigError, MoltConfig
-from molt.controller import RolloutController
-from molt.refit import GlooEngineSync, RefitSender
-from molt.weight_sync import (RefitError, RefitSendError, Watchdog, build_engine_sync, build_sender, engine_first_rank,
-                              gather_device, gather_stream, refit_device, refit_world_size, resolve_backend)
-from molt.weight_sync_nccl import (NcclEngineSync, NcclSender, PACKED_NUM_BUFFERS, bucket_update_infos,
-                                   worker_init_info)
-from molt.wire import Router, connect_dealer, pack, unpack
+from molt.controller.pool import RolloutController
+from molt.refit.backends import build_engine_sync, build_sender, resolve_backend
+from molt.refit.gloo import GlooEngineSync, RefitSender
+from molt.refit.nccl import (NcclEngineSync, NcclSender, PACKED_NUM_BUFFERS, bucket_update_infos,
+                             worker_init_info)
+from molt.refit.weight_sync import (RefitError, RefitSendError, Watchdog, engine_first_rank, gather_device, gather_stream,
+                                    refit_device, refit_world_size)
+from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
 def _model(model_path: str, dtype=torch.float32):
@@ -35,7 +36,7 @@ def _model(model_path: str, dtype=torch.float32):
 
 def _nccl_sender(model, monkeypatch, **kwargs) -> NcclSender:
     unique_id = base64.b64encode(os.urandom(128)).decode()  # ncclGetUniqueId needs the NCCL library
-    monkeypatch.setattr("molt.weight_sync_nccl.mint_unique_id", lambda: unique_id)
+    monkeypatch.setattr("molt.refit.nccl.mint_unique_id", lambda: unique_id)
     return NcclSender(model, is_sender=True, **{"bucket_bytes": 64 << 10, "timeout_seconds": 30, **kwargs})
 
 
@@ -133,7 +134,7 @@ def test_the_nccl_sender_builds_its_communicator_on_the_trainers_gpu_under_offlo
     monkeypatch.setattr(nccl_common, "uid_init_process_group", init)
     cfg = MoltConfig()
     cfg.refit.backend = "nccl"
-    monkeypatch.setattr("molt.weight_sync_nccl.mint_unique_id", lambda: base64.b64encode(bytes(128)).decode())
+    monkeypatch.setattr("molt.refit.nccl.mint_unique_id", lambda: base64.b64encode(bytes(128)).decode())
     sender = build_sender(cfg, _model(model_path), is_sender=True, device=torch.device("cuda", 2))
     assert type(sender) is NcclSender and next(sender.model.parameters()).device.type == "cpu"
     sender.group_message("127.0.0.1", 2)
@@ -261,7 +262,7 @@ def test_the_nccl_plan_cuts_where_vllms_packed_producer_cuts(buffer_bytes):
     bytes: uint8), including tensors larger than the buffer and a chunk ending exactly on it."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from molt.weight_sync import BucketEntry, plan_packed_buckets
+    from molt.refit.weight_sync import BucketEntry, plan_packed_buckets
 
     sizes = [40, 60, 100, 7, 300, 1, 1, 99, 150, 150, 20]
     entries = [BucketEntry(f"w{i}", "uint8", (size,)) for i, size in enumerate(sizes)]
@@ -318,11 +319,11 @@ def _two_trainer_ranks_one_engine_gone(rank: int, world_size: int, model_dir: st
     """Two FSDP2 ranks. First a refit nobody is paused for (gloo, `send=False`: the sender has no
     group at all, so a send would fail), then an NCCL refit into a communicator that hangs: the
     watchdog aborts it, the sender raises, and both ranks ran every gather."""
-    import molt.weight_sync_nccl as nccl
+    import molt.refit.nccl as nccl
     from vllm.distributed.weight_transfer import packed_tensor
 
-    from molt.actor import build_actor_model
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import build_actor_model
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     torch.accelerator.current_device_index = lambda: 0
     stream = SimpleNamespace(synchronize=lambda: None)
@@ -378,7 +379,7 @@ class NcclWorker:
     never delivers until aborted (a peer gone mid-broadcast)."""
 
     def __init__(self, timeline: list[str]):
-        from molt.refit_receiver import RefitReceiver
+        from molt.refit.receiver import RefitReceiver
 
         self.communicator = HungCommunicator()
         self.timeline = timeline
@@ -541,8 +542,8 @@ class DeviceCheckingLink:
 def _gather_on_cuda_streams(model_path: str, offload: bool) -> None:
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-    from molt.actor import build_actor_model
-    from molt.parallelize import ShardingPlan, TrainerMesh
+    from molt.trainer.actor import build_actor_model
+    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     device = torch.device("cuda", 0)
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cuda")

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import zmq
 
-from molt.wire import ControllerAddress, Router, connect_dealer, pack, unpack
+from molt.transport.wire import ControllerAddress, Router, connect_dealer, pack, unpack
 from test_payloads import Exploit
 
 

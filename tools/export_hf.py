@@ -4,7 +4,7 @@ vision-language model's whole processor) and generation config.
 
     python tools/export_hf.py CHECKPOINT OUT_DIR [--base MODEL_DIR]
 
-CHECKPOINT is a complete `step_<N>` directory (molt/checkpoint.py); MODEL_DIR (default: the run's
+CHECKPOINT is a complete `step_<N>` directory (molt/trainer/checkpoint.py); MODEL_DIR (default: the run's
 model.path, recorded in the checkpoint) supplies the architecture, tokenizer and dtype. Runs in one
 process without a process group: torch.distributed.checkpoint reads every rank's shards.
 """
@@ -22,13 +22,13 @@ from torch.distributed.checkpoint import FileSystemReader
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
-from molt.checkpoint import COMPLETE  # noqa: E402
+from molt.trainer.checkpoint import COMPLETE  # noqa: E402
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, base: str | None = None) -> Path:
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-    from molt.vision_language import auto_model_class, is_vision_language
+    from molt.models.vision_language import auto_model_class, is_vision_language
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not (checkpoint / COMPLETE).is_file():

@@ -2,7 +2,7 @@
 minutes on one H200, that reports PASS or FAIL and its figures for each part, whatever the others do.
 
 Parts (each in its own process, so a crash or an out-of-memory in one leaves the others' results):
-- mesh: `molt.parallelize.build_trainer_mesh(device_type="cuda", timeout_seconds=...)` under
+- mesh: `molt.distributed.parallelize.build_trainer_mesh(device_type="cuda", timeout_seconds=...)` under
   `torchrun --standalone --nproc_per_node=1` (NCCL beside gloo, as molt.train's ranks start), then an
   all-reduce on the mesh's data-parallel group and on its FSDP mesh's group (finding 1: NCCL groups
   need ProcessGroupNCCL.Options).
@@ -11,7 +11,7 @@ Parts (each in its own process, so a crash or an out-of-memory in one leaves the
   master weights and bf16 compute, every block checkpointed, chunked log-probs, 4 x 4096 = 16K
   tokens in one packed micro-batch: peak memory, tokens/s and MFU against the H200's dense BF16
   peak, 989 TFLOP/s (NVIDIA's H200 datasheet: 1,979 TFLOP/s BF16 "with sparsity", half that dense).
-- logprobs_fp32: `molt.logprobs.compute_chunked_logprobs` on bf16 hidden states and LM-head weight
+- logprobs_fp32: `molt.trainer.logprobs.compute_chunked_logprobs` on bf16 hidden states and LM-head weight
   against float64 log_softmax of the same bf16 values (finding 11: log-probs must be float32 under
   bf16 compute); PASS when the largest |error| is at most LOGPROB_TOLERANCE. For scale it also
   reports the error of logits computed in bf16 and upcast after (what finding 11 describes).
@@ -62,7 +62,7 @@ def run_mesh_part(cpu_smoke: bool) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO_ROOT))
-    from molt.parallelize import build_trainer_mesh
+    from molt.distributed.parallelize import build_trainer_mesh
 
     device_type = "cpu" if cpu_smoke else "cuda"
     if device_type == "cuda":  # build_trainer_mesh: a CUDA rank sets its device first
@@ -92,7 +92,7 @@ def run_logprobs_part(cpu_smoke: bool) -> None:
     import torch
 
     sys.path.insert(0, str(REPO_ROOT))
-    from molt.logprobs import compute_chunked_logprobs
+    from molt.trainer.logprobs import compute_chunked_logprobs
 
     num_tokens, vocab, hidden_size, chunk = (256, 4096, 256, 64) if cpu_smoke else (4096, 151936, 2048, 1024)
     device = torch.device("cpu" if cpu_smoke else "cuda")

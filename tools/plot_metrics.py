@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only; no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROLLING_WINDOW_STEPS = 10
-EVAL_KEY_PREFIX = "eval/avg@"  # molt.evaluation's mean reward over eval.n_samples samples a prompt
+EVAL_KEY_PREFIX = "eval/avg@"  # molt.controller.evaluation's mean reward over eval.n_samples samples a prompt
 
 
 def read_metric(jsonl_path: str | Path, key: str) -> tuple[list[int], list[float]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from molt.experience import Experience
+from molt.trace.experience import Experience
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ class RolloutRequest:
     max_turns: int
     policy_version: int  # engine weight version when dispatched
     metadata: dict | None = None
-    images: list[str] | None = None  # the row's `images` column: paths or data URIs (molt.images.row_messages)
+    images: list[str] | None = None  # the row's `images` column: paths or data URIs (molt.trace.images.row_messages)
 
 
 @dataclass(kw_only=True)
@@ -64,7 +64,7 @@ class RolloutOutcome:
     group_id: int
     experiences: list[Experience]
     failure: str = ""  # '' on success; 'timeout' | 'agent_error' | 'bad_result' | 'no_generation' | 'prompt_too_long'
-    # | 'context_exhausted' (agent.on_context_exhausted='fail') | 'sampled_image_token' (molt.rollout)
+    # | 'context_exhausted' (agent.on_context_exhausted='fail') | 'sampled_image_token' (molt.rollout.rank)
     # or 'agent_worker_died' (the agent worker process running it died; set by the rank)
     error: str = ""  # the exception text of a failure, for the log
     ledger: dict[str, int] = field(default_factory=dict)  # ChatAgent path: turns by how they joined a segment
@@ -89,7 +89,7 @@ class Generation(Protocol):
     logprobs: list[float]
     policy_version: int
     finish_reason: str
-    routed_experts: torch.Tensor | None  # [prompt + response tokens, layers, top_k] (molt.routes)
+    routed_experts: torch.Tensor | None  # [prompt + response tokens, layers, top_k] (molt.trace.routes)
 
 
 class Sampler(Protocol):

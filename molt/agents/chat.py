@@ -9,8 +9,8 @@ from typing import Any, Protocol
 from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
                               SamplingParams)
 from molt.agents.env import PromptTooLong
-from molt.experience import Experience, Segment, compute_action_digest
-from molt.images import data_uri, row_messages
+from molt.trace.experience import Experience, Segment, compute_action_digest
+from molt.trace.images import data_uri, row_messages
 
 
 @dataclass(kw_only=True)
@@ -54,7 +54,7 @@ class SessionRecord:
 
 class SessionHost(Protocol):
     """Where a ChatAgentRunner opens its sessions: in an agent worker, the rank's endpoint over RPC
-    (molt.agent_worker.RemoteSessions); in-process (tests), a SessionEndpoint."""
+    (molt.rollout.agent_worker.RemoteSessions); in-process (tests), a SessionEndpoint."""
 
     async def begin_session(self, *, sampling: SamplingParams, max_length: int) -> Any:
         """A session with `session_id`, `api_key`, `base_url`, `session_url` and `model_name`."""

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from molt.agents.base import (AgentRunnerBase, BadResult, ContextExhausted, Result, RolloutOutcome, RolloutRequest,
                               Sampler, SamplingParams)
-from molt.experience import Experience, Segment, compute_action_digest
-from molt.images import ImageEncoder, ImageInputs, load_image_bytes, row_messages
+from molt.trace.experience import Experience, Segment, compute_action_digest
+from molt.trace.images import ImageEncoder, ImageInputs, load_image_bytes, row_messages
 
 logger = logging.getLogger("molt")
 
@@ -100,7 +100,7 @@ class StepEnvRunner(AgentRunnerBase):
         return RolloutOutcome(rollout_id=request.rollout_id, group_id=request.group_id, experiences=[experience])
 
     def _expand(self, tokenizer, token_ids: list[int], blobs: list[bytes]) -> tuple[list[int], ImageInputs | None]:
-        """Rendered ids with each image placeholder expanded by the model's processor (molt.images)."""
+        """Rendered ids with each image placeholder expanded by the model's processor (molt.trace.images)."""
         if not blobs:
             return token_ids, None
         if self._image_encoder is None:

@@ -1,12 +1,12 @@
 """Images in endpoint requests: each image part is read once (a data URI, or a file under
 agent.image_root) and replaced by its content digest, so a conversation that resends the same
 images compares equal to the one recorded and its segment continues; the model's processor then
-turns each rendered placeholder into the image's token run (molt.images.ImageEncoder)."""
+turns each rendered placeholder into the image's token run (molt.trace.images.ImageEncoder)."""
 
 from __future__ import annotations
 
 from molt.endpoint.errors import RequestError
-from molt.images import ImageEncoder, ImageError, image_digest, load_image_bytes
+from molt.trace.images import ImageEncoder, ImageError, image_digest, load_image_bytes
 
 
 class PromptImages:

@@ -102,7 +102,7 @@ class SessionEndpoint:
         self.sessions.pop(session.session_id, None)
 
     # The SessionHost interface of a ChatAgentRunner (molt/agents/chat.py), for a runner in this
-    # process; agent workers reach the same two through the rank (molt/agent_pool.py).
+    # process; agent workers reach the same two through the rank (molt/rollout/agent_pool.py).
 
     async def begin_session(self, *, sampling: SamplingParams, max_length: int) -> Session:
         return self.open_session(sampling=sampling, max_length=max_length)

@@ -33,8 +33,8 @@ from molt.endpoint.errors import ContextLengthExceeded, RequestError
 from molt.endpoint.images import PromptImages, image_digests
 from molt.endpoint.messages import ChatRequest, Reply, Started, TokenLogprob, ToolCall, reply_message, template_message
 from molt.endpoint.tool_calls import ToolCallParser, merged_parts
-from molt.experience import Segment
-from molt.images import ImageInputs, concat_image_inputs
+from molt.trace.experience import Segment
+from molt.trace.images import ImageInputs, concat_image_inputs
 
 logger = logging.getLogger("molt")
 
@@ -146,7 +146,7 @@ class Session:
         if seed is None and self.default_sampling.seed is not None:  # an eval rollout's seed, for every request
             params.seed = self.default_sampling.seed
         sampled, logprobs, versions, top, parts = [], [], [], [], []
-        routes = None  # [prompt + response tokens, layers, top_k], on the last delta (molt.routes)
+        routes = None  # [prompt + response tokens, layers, top_k], on the last delta (molt.trace.routes)
         finish_reason, stop_reason = None, None
         # aclosing: when this generator is closed early (the client went away), close the engine
         # stream at once, which aborts the engine request, instead of whenever it is collected.

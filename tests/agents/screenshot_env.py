@@ -13,7 +13,7 @@ from pathlib import Path
 from PIL import Image
 
 from molt.agents import Env, Result, StepEnvRunner
-from molt.images import data_uri
+from molt.trace.images import data_uri
 
 SCREEN_SIZE = 64  # pixels a side: one global and 2 x 2 tiles in the tiny Idefics3
 

@@ -314,7 +314,7 @@ async def measure_paths(engine, endpoint, args) -> None:
 async def run_benchmark(args, model_dir: Path) -> None:
     from molt.config import MoltConfig
     from molt.endpoint.server import SessionEndpoint
-    from molt.engine import RolloutEngine
+    from molt.rollout.engine import RolloutEngine
 
     emit(measure_client_construction())  # also installs the shared context, as rollout ranks do
     cfg = MoltConfig()

@@ -4,7 +4,7 @@ CPU) whose Env (tests/agents/screenshot_env.py) shows a new 64x64 screenshot at 
 rollout carries --screenshots + 1 distinct images (its prompt's and one per turn), with --prompts x
 --samples rollouts in flight per step (synchronous: max_staleness 0).
 
-Images always travel as payloads (molt.payloads): they stay in the rollout rank's payload store
+Images always travel as payloads (molt.transport.payloads): they stay in the rollout rank's payload store
 until the trainer rank that trains them reloads them; the controller, which runs in trainer rank
 0's process in this layout, gets light records. From the job's metrics.jsonl, per step:
 - images and their bytes (files + processor tensors) the step's experiences carried (rollout/images,

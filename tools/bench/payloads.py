@@ -50,12 +50,12 @@ import zmq
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
-from molt.payloads import (  # noqa: E402
-    PayloadClient, PayloadRef, PayloadStore, experience_tensors, offload_record, reload_record)
-from molt.payloads.fields import payload_nbytes  # noqa: E402
-from molt.payloads.files import byte_view  # noqa: E402
-from molt.payloads.store import INLINE_BYTES  # noqa: E402
-from molt.experience import Experience  # noqa: E402
+from molt.trace.experience import Experience  # noqa: E402
+from molt.transport.payloads import (  # noqa: E402
+                                     PayloadClient, PayloadRef, PayloadStore, experience_tensors, offload_record, reload_record)
+from molt.transport.payloads.fields import payload_nbytes  # noqa: E402
+from molt.transport.payloads.files import byte_view  # noqa: E402
+from molt.transport.payloads.store import INLINE_BYTES  # noqa: E402
 from bench_fixtures import parse_with_smoke  # noqa: E402
 
 OWNER_NODE = "bench-owner"

@@ -69,11 +69,11 @@ from bench_fixtures import load_test_fixtures
 
 from molt.config import MoltConfig
 from molt.console import HEARTBEAT_SECONDS
-from molt.controller import RolloutController
-from molt.refit_receiver import RefitReceiver
-from molt.trainer import Trainer
-from molt.weight_sync import build_sender
-from molt.wire import Router, unpack
+from molt.controller.pool import RolloutController
+from molt.refit.backends import build_sender
+from molt.rollout.worker_extension import WorkerExtension
+from molt.trainer.loop import Trainer
+from molt.transport.wire import Router, unpack
 
 # The engine's workers import this file as module `refit` (TimedRefitReceiver is refit.receiver_cls;
 # spawned processes get this script's folder on sys.path), so they import what it imports here too:
@@ -177,7 +177,7 @@ class TimedWork:
             self.group.seconds += time.perf_counter() - started
 
 
-class TimedRefitReceiver(RefitReceiver):
+class TimedRefitReceiver(WorkerExtension):
     """Molt's receiver with a stopwatch, in each engine worker: per refit, the seconds of
     `molt_receive_weights` and the part of them spent inside the refit group's broadcasts."""
 
@@ -278,8 +278,8 @@ def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Mod
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32) if rank == 0 else None
-    from molt.actor import build_actor_model
-    from molt.parallelize import ShardingPlan, build_trainer_mesh
+    from molt.trainer.actor import build_actor_model
+    from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
 
     mesh = build_trainer_mesh(num_trainer_ranks=NUM_TRAINER_RANKS, device_type="cpu",
                               tensor_parallel_size=cfg.layout.trainer_tensor_parallel_size)
@@ -428,8 +428,8 @@ async def serve_rollout_rank(service, recorder: EngineRecorder, trainers: list, 
 
 
 async def run_benchmark(args, model_dir: Path) -> None:
-    from molt.engine import RolloutEngine
-    from molt.rollout import RolloutService
+    from molt.rollout.engine import RolloutEngine
+    from molt.rollout.rank import RolloutService
 
     num_bytes = count_model_bytes(model_dir)
     tcp_rates = measure_tcp_bytes_per_second(num_bytes, args.tcp_repeats)  # first, on a quiet machine

@@ -85,7 +85,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run from anywhere without installing molt
 
 from bench_fixtures import load_test_fixtures, parse_with_smoke  # noqa: E402
-from molt.logprobs import compute_chunked_logprobs  # noqa: E402
+from molt.trainer.logprobs import compute_chunked_logprobs  # noqa: E402
 
 # The training figures import transformers and the rest of molt inside their functions: the loss
 # head's child processes re-run this file and should start without them.
@@ -93,7 +93,7 @@ from molt.logprobs import compute_chunked_logprobs  # noqa: E402
 KIB = 1024
 MAX_THREADS = 2  # the bench machine's CPUs are shared with other workers
 # Molt's packed layout where attention takes a block-diagonal mask (sdpa on CPU): rows as wide as
-# the micro-batch's longest experience (molt.actor.packing_layout).
+# the micro-batch's longest experience (molt.trainer.actor.packing_layout).
 CPU_PACKED_LAYOUT = "rows"
 LONG_TAIL_MAX_TOKENS = 400
 PAD_TOKEN_ID = 0
@@ -229,7 +229,7 @@ def build_bench_model(args) -> tuple[Path, dict]:
 def make_experiences(lengths: list[tuple[list[int], int]], *, vocab: int, group_size: int, seed: int) -> list:
     """One experience per (prompt token ids, response length): random response tokens, behaviour
     log-probs near a uniform policy's, rewards 0 or 1, groups of `group_size` consecutive rollouts."""
-    from molt.experience import Experience
+    from molt.trace.experience import Experience
 
     rng = random.Random(seed)
     experiences = []
@@ -251,15 +251,15 @@ def random_prompts(count: int, low: int, high: int, *, vocab: int, seed: int) ->
 
 def build_batch_info(experiences: list):
     """What every rank knows of the step's batch; with one rank, it owns every experience."""
-    from molt.learner import BatchInfo
+    from molt.trainer.learner import BatchInfo
 
     return BatchInfo(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences], own=list(range(len(experiences))))
 
 
 def build_step_windows(experiences: list, *, max_tokens_per_micro_batch: int, layout: str) -> list[list]:
-    """One optimizer window (1 mini-batch) of micro-batches, as molt.trainer builds it on one rank."""
-    from molt.batch import build_windows, count_window_micro_batches
+    """One optimizer window (1 mini-batch) of micro-batches, as molt.trainer.loop builds it on one rank."""
+    from molt.trainer.batch import build_windows, count_window_micro_batches
 
     counts = count_window_micro_batches(experiences, num_windows=1, layout=layout,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch)
@@ -268,12 +268,12 @@ def build_step_windows(experiences: list, *, max_tokens_per_micro_batch: int, la
 
 
 def build_learner(cfg, group: dist.ProcessGroup):
-    """The actor and learner of `cfg` on CPU, built the way molt.trainer.Trainer builds them."""
-    from molt.parallelize import TrainerMesh
+    """The actor and learner of `cfg` on CPU, built the way molt.trainer.loop.Trainer builds them."""
+    from molt.distributed.parallelize import TrainerMesh
 
-    from molt.actor import Actor, build_actor_model, choose_layout
-    from molt.learner import Learner, optimizer_settings
-    from molt.parallelize import ShardingPlan
+    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.trainer.learner import Learner, optimizer_settings
+    from molt.distributed.parallelize import ShardingPlan
 
     mesh = TrainerMesh.from_group(group, "cpu")
     plan = ShardingPlan.from_config(cfg)
@@ -309,7 +309,7 @@ def count_tokens(windows: list[list]) -> tuple[int, int]:
 
 def build_bare_model(model_path: Path, group: dist.ProcessGroup, learning_rate: float):
     """The plain Hugging Face model under FSDP2 (one unit per decoder layer and the root), with AdamW."""
-    from molt.parallelize import TrainerMesh
+    from molt.distributed.parallelize import TrainerMesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -326,7 +326,7 @@ def build_bare_batches(windows: list[list], info) -> list[dict[str, Tensor]]:
     """The packed micro-batches as plain tensors: input_ids and position_ids [packed rows, width], each
     position's target (the next packed token) and its loss weight (that token's GRPO advantage over
     the window's action tokens; 0 where the next token is no action or starts another sequence)."""
-    from molt.batch import compute_group_advantages
+    from molt.trainer.batch import compute_group_advantages
 
     advantages = compute_group_advantages(info.rollout_ids, info.group_ids, info.rewards, estimator="grpo")
     micro_batches = [micro_batch for window in windows for micro_batch in window]
@@ -520,11 +520,11 @@ GPU_PRESETS: dict[str, dict] = {
 def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.device):
     """A random Qwen3 saved to a temp dir (bf16 safetensors), loaded by Molt's sharded loader as
     float32 master weights with bfloat16 compute, every block checkpointed, chunked log-probs."""
-    from molt.parallelize import TrainerMesh
+    from molt.distributed.parallelize import TrainerMesh
 
-    from molt.actor import Actor, build_actor_model
-    from molt.optimizer import OptimizerSettings
-    from molt.parallelize import ShardingPlan
+    from molt.trainer.actor import Actor, build_actor_model
+    from molt.trainer.optimizer import OptimizerSettings
+    from molt.distributed.parallelize import ShardingPlan
 
     plan = ShardingPlan(param_dtype=torch.float32, compute_dtype=torch.bfloat16, checkpoint_every=1)
     mesh = TrainerMesh.from_group(group, device.type)
@@ -534,7 +534,7 @@ def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.d
             torch.cuda.empty_cache()
         model = build_actor_model(directory, mesh=mesh, device=device, plan=plan,
                                   logprob_chunk_tokens=args.gpu_chunk_tokens)
-    if args.gpu_attention != "auto":  # else Molt's choice (molt.actor.choose_attention)
+    if args.gpu_attention != "auto":  # else Molt's choice (molt.trainer.actor.choose_attention)
         model.set_attn_implementation(args.gpu_attention)
     return Actor(model, group=group, device=device, optimizer=OptimizerSettings(lr=1e-6), max_grad_norm=1.0)
 
@@ -556,8 +556,8 @@ def synchronize(device: torch.device) -> None:
 def gpu_scale_figure(args) -> list[dict]:
     """The one-GPU figure; with --gpu-device cpu (the tiny preset, for CI) the same code on CPU,
     where there are no allocator statistics (peak memory is reported as None)."""
-    from molt.actor import PolicyLoss, packing_layout
-    from molt.batch import build_micro_batches
+    from molt.trainer.actor import PolicyLoss, packing_layout
+    from molt.trainer.batch import build_micro_batches
 
     device = torch.device("cuda", 0) if args.gpu_device == "cuda" else CPU
     if device.type == "cuda":
