@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, validate_config
-from molt.distributed.expert_parallel import count_experts
+from molt.models.moe import count_experts
 from molt.distributed.placement import Placement, count_per_node, describe_launcher, place_ranks, span
 
 GIB = 2**30

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from molt.config import ConfigError, MoltConfig, validate_config
-from molt.distributed.expert_parallel import (ExpertParallelExperts, check_expert_parallel_support, count_experts,
-                                              freeze_routers)
+from molt.distributed.expert_parallel import ExpertParallelExperts, check_expert_parallel_support, freeze_routers
+from molt.models.moe import count_experts
 from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
 from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
 from molt.trainer.checkpoint import load_checkpoint, save_checkpoint

@@ -24,7 +24,7 @@ WALLS = {
     "agents": {"trace"},
     "transport": {"trace", "agents"},
     "endpoint": {"trace", "agents"},
-    "distributed": {"config"},
+    "distributed": {"config", "models"},
     "refit": {"config", "models", "distributed"},
     "controller": {"config", "trace", "transport", "agents", "refit"},
     "rollout": {"config", "trace", "transport", "agents", "endpoint", "refit", "distributed", "models"},

@@ -26,13 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-EXPERT_COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
-
-
-def count_experts(config) -> int:
-    """The routed experts per MoE layer of a Hugging Face config (0 for a dense model)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return next((getattr(config, name) for name in EXPERT_COUNT_FIELDS if getattr(config, name, None)), 0)
+from molt.models.moe import count_experts
 
 
 def find_fused_experts(backbone: nn.Module) -> dict[str, nn.Module]:

@@ -26,7 +26,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from molt.config import MoltConfig, parse_activation_checkpointing
-from molt.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel, count_experts
+from molt.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from molt.models.moe import count_experts
 
 TRAINER_MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 

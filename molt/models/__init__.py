@@ -1,1 +1,1 @@
-"""Hugging Face checkpoints on the trainer: sharded loading, vision-language models."""
+"""Hugging Face checkpoints on the trainer: sharded loading, vision-language models, MoE shapes."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from molt.config import ConfigError
-from molt.distributed.expert_parallel import EXPERT_COUNT_FIELDS, count_experts
+from molt.models.moe import EXPERT_COUNT_FIELDS, count_experts
 from molt.trace.routes import UNKNOWN, decode_routes, encode_routes, pad_routes, unknown_routes
 
 logger = logging.getLogger("molt")
