@@ -10,7 +10,7 @@ session endpoint appends them), and the loss is minus the mean log-prob of the a
 tokens, each turn up to and including its end-of-turn token: a token mean over the step's batch on
 every rank, like the RL loss. An MoE model adds its routers' load-balancing loss, as in
 pretraining. Model building, sharding, precision, activation checkpointing, the optimizer and
-micro-batching are the RL trainer's (molt.trainer.actor), read from the `train` section; the result is a
+micro-batching are the RL trainer's (molt.trainer.sharded_model), read from the `train` section; the result is a
 Hugging Face model directory at sft.output_dir with `sft.json` (settings and summary) beside it.
 """
 
@@ -160,7 +160,7 @@ def compute_sft_loss(actor: Actor, micro_batch: MicroBatch, denominator: float,
     """This micro-batch's share of the step's loss, -sum(log p of trained tokens) / `denominator`
     (the step's trained tokens over all ranks), plus the routers' load-balancing loss weighted by
     the micro-batch's share of those tokens; and its sums ("nll_sum", "tokens", "aux_sum")."""
-    from molt.trainer.actor import score_micro_batch
+    from molt.trainer.scoring import score_micro_batch
 
     mask = micro_batch.action_mask
     logprobs, _ = score_micro_batch(actor.model, micro_batch)
@@ -180,7 +180,7 @@ def train_step(actor: Actor, micro_batches: list[MicroBatch], *, aux_loss_coef: 
     import torch
     import torch.distributed as dist
 
-    from molt.trainer.actor import compute_window_denominator
+    from molt.trainer.trainable import compute_window_denominator
 
     actor.model.train()
     denominator = compute_window_denominator(micro_batches, group=actor.group, device=actor.device)
@@ -367,7 +367,9 @@ def run_sft(cfg: MoltConfig, rank: int, world_size: int, examples: list[Experien
     import torch
     import torch.distributed as dist
 
-    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.trainer.actor import Actor
+    from molt.trainer.policy import choose_layout
+    from molt.trainer.sharded_model import build_actor_model
     from molt.trainer.batch import build_windows, share_step_batch
     from molt.trainer.checkpoint import checkpoint_run_id, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
     from molt.console import ToolProgress

@@ -137,7 +137,9 @@ def test_settings_change_when_the_base_model_or_the_data_is_rewritten_in_place(t
 def _one_step(rank: int, world_size: int, model_dir: str, rows: list[dict], packing: bool) -> dict:
     import torch.distributed as dist
 
-    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.trainer.actor import Actor
+    from molt.trainer.policy import choose_layout
+    from molt.trainer.sharded_model import build_actor_model
     from molt.trainer.batch import build_windows, share_step_batch
     from molt.trace.experience import Experience
     from molt.trainer.optimizer import OptimizerSettings

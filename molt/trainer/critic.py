@@ -15,9 +15,10 @@ from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.models.hf_checkpoint import build_empty_model
 from molt.models.vision_language import is_vision_language
 from molt.objectives import compute_value_loss
-from molt.trainer.actor import (TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch,
-                                shard_and_load)
 from molt.trainer.batch import MicroBatch
+from molt.trainer.scoring import score_micro_batch
+from molt.trainer.sharded_model import build_actor_model, shard_and_load
+from molt.trainer.trainable import TrainableModel, compute_window_denominator
 
 class ValueModel(nn.Module):
     """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.

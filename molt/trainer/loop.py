@@ -23,14 +23,16 @@ from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.refit.backends import build_sender
 from molt.refit.weight_sync import RefitError, RefitSendError, engine_first_rank, refit_world_size
 from molt.trace.experience import Experience
-from molt.trainer.actor import Actor, build_actor_model, choose_layout
+from molt.trainer.actor import Actor
 from molt.trainer.batch import MicroBatch, build_windows, share_step_batch
 from molt.trainer.checkpoint import (STOP_REQUEST, checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id,
                                      resolve_resume, save_checkpoint)
 from molt.trainer.diagnostics import (PREFIX, WATCHED_RATIOS, DiagnosticsReport, DropWatcher, StepDiagnostics,
                                       count_digest_mismatches)
 from molt.trainer.learner import BatchInfo, Learner, optimizer_settings
+from molt.trainer.policy import choose_layout
 from molt.trainer.routing_replay import RoutingReplay
+from molt.trainer.sharded_model import build_actor_model
 from molt.transport.payloads import PayloadClient, PayloadRef, default_node_id, reload_record
 from molt.transport.wire import ControllerAddress, Router, connect_dealer, pack, unpack
 
