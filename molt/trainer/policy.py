@@ -1,18 +1,63 @@
-"""How the policy's micro-batches are laid out: train.packing's layout for the model's attention
-implementation, checked on the built actor."""
+"""The policy as both ways in build it: molt.train's Trainer and molt.sft's run_sft start from the
+same sharded actor (model, MoE routers, AdamW and its schedule), pad token and micro-batch layout,
+so a warm start trains exactly the model, precision and packing that RL then trains."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from molt.config import MoltConfig
+from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.trace.experience import Experience
 from molt.trainer.actor import Actor
 from molt.trainer.batch import build_micro_batches
+from molt.trainer.optimizer import optimizer_settings
+from molt.trainer.routing_replay import RoutingReplay
+from molt.trainer.sharded_model import build_actor_model
 
 logger = logging.getLogger("molt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """The actor and how its micro-batches are built."""
+
+    actor: Actor
+    pad_token_id: int  # fills padded rows: the model's pad token, else its eos, else 0
+    micro_batch_layout: str  # molt.trainer.batch.LAYOUTS: train.packing's layout, or "padded"
+
+
+def build_policy(cfg: MoltConfig, *, mesh: TrainerMesh, device: torch.device, num_steps: int,
+                 temperature: float = 1.0, routing_replay: bool = False) -> Policy:
+    """model.path's actor on `mesh`, sharded and trained per the train section (collective): its MoE
+    routers ready (algorithm.router_aux_loss_coef; `routing_replay` replays the engines' routes), an
+    LR schedule over `num_steps` steps, scoring at `temperature` (the rollouts' sampling temperature;
+    SFT has none and scores at 1), and train.packing's layout checked on it (`choose_layout`)."""
+    plan = ShardingPlan.from_config(cfg)
+    model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
+                              logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
+                              freeze_router=cfg.train.freeze_router)
+    routing = RoutingReplay.install(model, replay=routing_replay,
+                                   aux_loss_coef=cfg.algorithm.router_aux_loss_coef)  # None: a dense model
+    actor = Actor(model, group=mesh.dp_group, device=device, max_grad_norm=cfg.train.max_grad_norm,
+                  optimizer=replace(optimizer_settings(cfg), num_steps=num_steps), temperature=temperature,
+                  routing=routing)
+    pad_token_id = resolve_pad_token_id(model)
+    layout = choose_layout(actor, pad_token_id, plan.forward_dtype) if cfg.train.packing else "padded"
+    return Policy(actor=actor, pad_token_id=pad_token_id, micro_batch_layout=layout)
+
+
+def resolve_pad_token_id(model: nn.Module) -> int:
+    config = model.config
+    for candidate in (config.pad_token_id, config.eos_token_id, 0):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
 
 
 def packing_layout(model: nn.Module) -> str:

@@ -270,22 +270,15 @@ def build_step_windows(experiences: list, *, max_tokens_per_micro_batch: int, la
 def build_learner(cfg, group: dist.ProcessGroup):
     """The actor and learner of `cfg` on CPU, built the way molt.trainer.loop.Trainer builds them."""
     from molt.distributed.parallelize import TrainerMesh
-
-    from molt.trainer.actor import Actor
-    from molt.trainer.policy import choose_layout
-    from molt.trainer.sharded_model import build_actor_model
-    from molt.trainer.learner import Learner, optimizer_settings
-    from molt.distributed.parallelize import ShardingPlan
+    from molt.trainer.learner import Learner
+    from molt.trainer.policy import build_policy
 
     mesh = TrainerMesh.from_group(group, "cpu")
-    plan = ShardingPlan.from_config(cfg)
-    model = build_actor_model(cfg.model.path, mesh=mesh, device=CPU, plan=plan,
-                              logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
-    actor = Actor(model, group=group, device=CPU, optimizer=optimizer_settings(cfg),
-                  max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
-    if cfg.train.packing and choose_layout(actor, PAD_TOKEN_ID, plan.forward_dtype) == "padded":
+    policy = build_policy(cfg, mesh=mesh, device=CPU, num_steps=cfg.train.num_steps,
+                          temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
+    if cfg.train.packing and policy.micro_batch_layout == "padded":
         raise RuntimeError("the model does not keep packed sequences apart here; packing figures are meaningless")
-    return Learner(cfg, actor, mesh=mesh, device=CPU)
+    return Learner(cfg, policy.actor, mesh=mesh, device=CPU)
 
 
 def time_alternating(runs: dict[str, Callable[[], object]], *, warmup: int, measured: int) -> dict[str, list[float]]:
