@@ -117,9 +117,8 @@ def _align(per_position: torch.Tensor, position_ids: torch.Tensor | None) -> tor
     return shifted if position_ids is None else shifted.masked_fill(position_ids == 0, 0.0)
 
 
-def compute_token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float
-) -> torch.Tensor:
+def compute_token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                           temperature: float) -> torch.Tensor:
     """[batch, seq] log p(input_ids[:, t] | input_ids[:, :t]) of right-padded rows; column 0 is 0."""
     return score_tokens(model, input_ids, attention_mask=attention_mask, temperature=temperature)[0]
 

@@ -38,9 +38,8 @@ def set_gradient_sum_reduction(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def compute_window_counts(
-    micro_batches: list[MicroBatch], *, group: dist.ProcessGroup, device: torch.device
-) -> tuple[int, int]:
+def compute_window_counts(micro_batches: list[MicroBatch], *, group: dist.ProcessGroup,
+                          device: torch.device) -> tuple[int, int]:
     """The window's action tokens and sequences (rows with an action token) over all micro-batches
     and data-parallel ranks.
 
@@ -58,42 +57,12 @@ def compute_window_counts(
     return window_tokens, window_sequences
 
 
-def compute_window_denominator(
-    micro_batches: list[MicroBatch], *, group: dist.ProcessGroup, device: torch.device
-) -> float:
+def compute_window_denominator(micro_batches: list[MicroBatch], *, group: dist.ProcessGroup,
+                               device: torch.device) -> float:
     """The window's action-token count over all micro-batches and data-parallel ranks (at least 1):
     the token mean's denominator (`compute_window_counts`)."""
     window_tokens, _ = compute_window_counts(micro_batches, group=group, device=device)
     return float(max(window_tokens, 1))
-
-
-def step_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
-                   loss_is_finite: bool) -> tuple[float, bool]:
-    """Clip the global gradient norm and step, unless the loss or the norm is not finite; zero the
-    gradients either way. Returns (pre-clip norm, whether the optimizer stepped).
-
-    Both inputs are the same on every rank (the loss all-reduced over the data-parallel ranks and
-    computed alike by tp ranks, the norm from the partial norms over every dim of each parameter's
-    mesh), so every rank takes the same decision without another collective: a NaN or
-    inf on any rank skips the update everywhere, and bad weights never exist. `max_grad_norm <= 0` disables
-    clipping (the norm is still measured).
-    """
-    by_mesh = group_by_grad_mesh(model)
-    grad_norm = 0.0
-    if by_mesh:
-        norms = []
-        for parameters in by_mesh:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms -> mesh's
-        total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        grad_norm = total_norm.item()
-    stepped = loss_is_finite and math.isfinite(grad_norm)
-    if stepped:
-        for parameters in by_mesh if max_grad_norm > 0 else ():
-            torch.nn.utils.clip_grads_with_norm_(parameters, max_grad_norm, total_norm)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, stepped
 
 
 def group_by_grad_mesh(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -129,9 +98,31 @@ class TrainableModel:
         set_gradient_sum_reduction(model)
 
     def step_optimizer(self, loss_is_finite: bool = True) -> tuple[float, bool]:
-        """See `step_optimizer`: (pre-clip norm, whether AdamW stepped)."""
-        return step_optimizer(self.model, self.optimizer, max_grad_norm=self.max_grad_norm,
-                              loss_is_finite=loss_is_finite)
+        """Clip the global gradient norm and step, unless the loss or the norm is not finite; zero the
+        gradients either way. Returns (pre-clip norm, whether AdamW stepped).
+
+        Both inputs are the same on every rank (the loss all-reduced over the data-parallel ranks and
+        computed alike by tp ranks, the norm from the partial norms over every dim of each
+        parameter's mesh), so every rank takes the same decision without another collective: a NaN
+        or inf on any rank skips the update everywhere, and bad weights never exist.
+        `max_grad_norm <= 0` disables clipping (the norm is still measured).
+        """
+        by_mesh = group_by_grad_mesh(self.model)
+        grad_norm = 0.0
+        if by_mesh:
+            norms = []
+            for parameters in by_mesh:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+                norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # partial norms -> mesh's
+            total_norm = torch.linalg.vector_norm(torch.stack(norms))
+            grad_norm = total_norm.item()
+        stepped = loss_is_finite and math.isfinite(grad_norm)
+        if stepped:
+            for parameters in by_mesh if self.max_grad_norm > 0 else ():
+                torch.nn.utils.clip_grads_with_norm_(parameters, self.max_grad_norm, total_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
 
     @property
     def lr(self) -> float:
