@@ -1,6 +1,7 @@
 """A Hugging Face model laid out on the trainer mesh: built on the meta device, sharded (tensor
 parallelism, then FSDP2 units) and filled rank by rank from its checkpoint, with the attention
-kernel chosen for the device. The actor, its frozen reference and the critic are all built here."""
+kernel chosen for the device. The actor and its frozen reference are built here, the critic's
+value model (molt.trainer.critic) with the same `shard_and_load`."""
 
 from __future__ import annotations
 
