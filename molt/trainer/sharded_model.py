@@ -114,4 +114,3 @@ def choose_attention(model: nn.Module, device: torch.device, compute_dtype: torc
                        implementation, error, model.config._attn_implementation)
         return
     logger.info("attention: %s (packed rows as variable-length sequences)", implementation)
-
