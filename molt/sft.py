@@ -10,8 +10,9 @@ session endpoint appends them), and the loss is minus the mean log-prob of the a
 tokens, each turn up to and including its end-of-turn token: a token mean over the step's batch on
 every rank, like the RL loss. An MoE model adds its routers' load-balancing loss, as in
 pretraining. Model building, sharding, precision, activation checkpointing, the optimizer and
-micro-batching are the RL trainer's (molt.trainer.actor), read from the `train` section; the result is a
-Hugging Face model directory at sft.output_dir with `sft.json` (settings and summary) beside it.
+micro-batching are the RL trainer's (molt.trainer.policy.build_policy), read from the `train`
+section; the result is a Hugging Face model directory at sft.output_dir with `sft.json` (settings
+and summary) beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, check_sft_options,
                          check_trainer_mesh, check_trainer_options, field_type_errors, load_config)
 from molt.distributed.devices import resolve_device, trainer_device_type
@@ -38,12 +42,10 @@ from molt.metrics import configure_logging
 from molt.trace.images import ImageEncoder, row_messages
 
 if TYPE_CHECKING:
-    import torch
-
-    from molt.trainer.actor import Actor
-    from molt.trainer.batch import MicroBatch
     from molt.controller.prompts import PromptRow
     from molt.trace.experience import Experience
+    from molt.trainer.actor import Actor
+    from molt.trainer.batch import MicroBatch
 
 logger = logging.getLogger("molt")
 
@@ -160,7 +162,7 @@ def compute_sft_loss(actor: Actor, micro_batch: MicroBatch, denominator: float,
     """This micro-batch's share of the step's loss, -sum(log p of trained tokens) / `denominator`
     (the step's trained tokens over all ranks), plus the routers' load-balancing loss weighted by
     the micro-batch's share of those tokens; and its sums ("nll_sum", "tokens", "aux_sum")."""
-    from molt.trainer.actor import score_micro_batch
+    from molt.trainer.scoring import score_micro_batch
 
     mask = micro_batch.action_mask
     logprobs, _ = score_micro_batch(actor.model, micro_batch)
@@ -177,10 +179,7 @@ def compute_sft_loss(actor: Actor, micro_batch: MicroBatch, denominator: float,
 def train_step(actor: Actor, micro_batches: list[MicroBatch], *, aux_loss_coef: float) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches of the step (collective over the actor's
     data-parallel group); skipped everywhere if the loss or gradient norm is not finite."""
-    import torch
-    import torch.distributed as dist
-
-    from molt.trainer.actor import compute_window_denominator
+    from molt.trainer.trainable import compute_window_denominator
 
     actor.model.train()
     denominator = compute_window_denominator(micro_batches, group=actor.group, device=actor.device)
@@ -210,7 +209,6 @@ def gather_hf_state(model, *, dtype: torch.dtype, keep: bool) -> dict[str, torch
     """The whole model's weights under the names its checkpoint used (a fused MoE expert parameter
     as its per-expert tensors, as a refit sends them), in `dtype` on the CPU; every rank joins each
     parameter's gather, and only a rank with `keep` holds the result ({} elsewhere)."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     from molt.models.hf_checkpoint import checkpoint_entries
@@ -340,8 +338,6 @@ def validate_sft_config(cfg: MoltConfig, world_size: int) -> None:
 
 def init_process_group(device: str, rank: int, world_size: int) -> None:
     """Under torchrun (or srun) the job's group; in a plain process a group of one, in memory."""
-    import torch.distributed as dist
-
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=30)
     if "MASTER_ADDR" in os.environ:
@@ -364,17 +360,11 @@ def read_examples(cfg: MoltConfig) -> list[Experience]:
 def run_sft(cfg: MoltConfig, rank: int, world_size: int, examples: list[Experience]) -> dict:
     """Train on `examples` (read_examples), then write the model directory (rank 0); returns the
     summary (on every rank)."""
-    import torch
-    import torch.distributed as dist
-
-    from molt.trainer.actor import Actor, build_actor_model, choose_layout
+    from molt.console import ToolProgress
+    from molt.distributed.parallelize import build_trainer_mesh
     from molt.trainer.batch import build_windows, share_step_batch
     from molt.trainer.checkpoint import checkpoint_run_id, load_checkpoint, new_run_id, resolve_resume, save_checkpoint
-    from molt.console import ToolProgress
-    from molt.trainer.learner import optimizer_settings
-    from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
-    from molt.trainer.routing_replay import RoutingReplay
-    from molt.trainer.loop import _pad_token_id
+    from molt.trainer.policy import build_policy
 
     torch.manual_seed(cfg.seed)
     num_steps = resolve_num_steps(cfg, len(examples))
@@ -387,16 +377,9 @@ def run_sft(cfg: MoltConfig, rank: int, world_size: int, examples: list[Experien
                                   data_parallel_replicate=layout.trainer_data_parallel_replicate,
                                   tensor_parallel_size=layout.trainer_tensor_parallel_size,
                                   expert_parallel_size=layout.trainer_expert_parallel_size)
-        plan = ShardingPlan.from_config(cfg)
-        model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
-                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
-                                  freeze_router=cfg.train.freeze_router)
-        routing = RoutingReplay.install(model, replay=False, aux_loss_coef=cfg.algorithm.router_aux_loss_coef)
-        aux_loss_coef = routing.aux_loss_coef if routing is not None else 0.0
-        actor = Actor(model, group=mesh.dp_group, device=device, max_grad_norm=cfg.train.max_grad_norm,
-                      optimizer=dataclasses.replace(optimizer_settings(cfg), num_steps=num_steps), routing=routing)
-        pad_token_id = _pad_token_id(model)
-        micro_batch_layout = choose_layout(actor, pad_token_id, plan.forward_dtype) if cfg.train.packing else "padded"
+        policy = build_policy(cfg, mesh=mesh, device=device, num_steps=num_steps)
+        actor, pad_token_id, micro_batch_layout = policy.actor, policy.pad_token_id, policy.micro_batch_layout
+        aux_loss_coef = actor.routing.aux_loss_coef if actor.routing is not None else 0.0
         group = dist.group.WORLD
         resume_path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint_dir)
         run_id = checkpoint_run_id(resume_path) if resume_path else new_run_id()
@@ -443,7 +426,7 @@ def run_sft(cfg: MoltConfig, rank: int, world_size: int, examples: list[Experien
                    "trained_tokens_per_second": tokens / max(seconds, 1e-9), "train_seconds": seconds,
                    "load_balancing_loss_coef": aux_loss_coef, "micro_batch_layout": micro_batch_layout,
                    "ranks": world_size, "losses": losses}
-        state = gather_hf_state(model, dtype=getattr(torch, cfg.model.dtype), keep=rank == 0)
+        state = gather_hf_state(actor.model, dtype=getattr(torch, cfg.model.dtype), keep=rank == 0)
         if rank == 0:
             write_hf_model(state, cfg.model.path, sft_output_dir(cfg), {"settings": sft_settings(cfg),
                                                                        "summary": summary})

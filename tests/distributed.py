@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOADED_MODULES = ("torch", "torch.distributed.fsdp", "transformers", "molt.trainer.actor")
+PRELOADED_MODULES = ("torch", "torch.distributed.fsdp", "transformers", "molt.trainer.policy")
 
 
 def run_ranks(

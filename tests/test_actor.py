@@ -10,7 +10,9 @@ from distributed import run_ranks
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.trace.experience import Experience
-from molt.trainer.actor import Actor, PolicyLoss, build_actor_model, compute_token_logprobs, summarize_windows
+from molt.trainer.actor import Actor, PolicyLoss, summarize_windows
+from molt.trainer.scoring import compute_token_logprobs
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.trainer.optimizer import OptimizerSettings
 

@@ -16,7 +16,8 @@ from distributed import run_ranks
 from test_train_e2e import DEMO
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh
-from molt.trainer.actor import Actor, build_actor_model
+from molt.trainer.actor import Actor
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.optimizer import OptimizerSettings
 from molt import train
 from molt.config import ConfigError

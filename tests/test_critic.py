@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.trace.experience import Experience
-from molt.trainer.actor import build_actor_model, compute_token_logprobs
+from molt.trainer.scoring import compute_token_logprobs
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.batch import assign_to_ranks, build_micro_batches, count_micro_batches
 from molt.trainer.critic import (
                                  Critic,

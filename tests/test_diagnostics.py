@@ -197,7 +197,7 @@ def learner_rank(rank, world_size, model_path):
 
 
 def actor_entropy(actor, micro_batch):
-    from molt.trainer.actor import score_micro_batch
+    from molt.trainer.scoring import score_micro_batch
 
     return score_micro_batch(actor.model, micro_batch, with_entropy=True)[1]
 

@@ -18,7 +18,8 @@ from molt.config import ConfigError, MoltConfig, validate_config
 from molt.distributed.expert_parallel import ExpertParallelExperts, check_expert_parallel_support, freeze_routers
 from molt.models.moe import count_experts
 from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
-from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.actor import Actor, PolicyLoss
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.checkpoint import load_checkpoint, save_checkpoint
 from molt.trainer.critic import build_reference_model, build_value_model, compute_reference_logprobs
 from molt.trainer.optimizer import OptimizerSettings

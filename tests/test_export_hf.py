@@ -12,7 +12,9 @@ from conftest import EngineThread
 from distributed import run_ranks
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh
-from molt.trainer.actor import Actor, build_actor_model, compute_token_logprobs
+from molt.trainer.actor import Actor
+from molt.trainer.scoring import compute_token_logprobs
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.checkpoint import save_checkpoint
 from molt.trainer.optimizer import OptimizerSettings
 

@@ -21,7 +21,7 @@ from torch.distributed import distributed_c10d
 from molt.distributed.devices import VLLM_START_METHOD, apply_vllm_worker_start_method, omp_num_threads, vllm_worker_start_method
 from molt.distributed.parallelize import build_trainer_mesh, group_options, group_options_class
 from molt.models.hf_checkpoint import build_empty_model
-from molt.trainer.actor import attention_implementation, choose_attention
+from molt.trainer.sharded_model import attention_implementation, choose_attention
 from molt.trainer.logprobs import _chunk_logits, compute_chunked_logprobs, logits_matmul
 
 MINUTE = datetime.timedelta(seconds=60)

@@ -20,7 +20,7 @@ from molt.config import load_config
 from molt.dry_run import dry_run_report
 from molt.models.hf_checkpoint import SAFETENSORS_FILE, build_empty_model, load_sharded_weights
 from molt.refit.gloo import RefitSender
-from molt.trainer.actor import compute_token_logprobs
+from molt.trainer.scoring import compute_token_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_RECIPE = f"{DEMO}:moe"

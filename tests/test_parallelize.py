@@ -13,7 +13,8 @@ from test_actor import PAD, PPO, TEMPERATURE, make_experiences
 
 from molt.config import ConfigError, MoltConfig, validate_config
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh
-from molt.trainer.actor import Actor, build_actor_model
+from molt.trainer.actor import Actor
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.batch import build_micro_batches
 from molt.trainer.critic import build_reference_model, build_value_model
 from molt.trainer.optimizer import OptimizerSettings

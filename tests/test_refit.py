@@ -47,7 +47,8 @@ def test_plan_is_O_buckets_for_a_real_model(tiny_model_dir):
 
 
 def _trainer_rank(rank: int, world_size: int, model_dir: str, port_file: str, num_refits: int):
-    from molt.trainer.actor import build_actor_model, compute_token_logprobs
+    from molt.trainer.scoring import compute_token_logprobs
+    from molt.trainer.sharded_model import build_actor_model
     from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")

@@ -177,7 +177,7 @@ def _rebuild_three_times(rank: int, world_size: int, model_dir: str, num_rebuild
     """Two FSDP2 trainer ranks; global rank 1 sends. Each round: the old group is torn down, a fresh
     engine worker (a thread of rank 0's process here, as a restarted engine) joins a fresh group, the
     shards change, and the worker must receive exactly the gathered weights."""
-    from molt.trainer.actor import build_actor_model
+    from molt.trainer.sharded_model import build_actor_model
     from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")

@@ -209,7 +209,8 @@ def replay_gradients_rank(rank, world_size, model_path, experiences, advantages)
     import torch.distributed as dist
     from test_actor import PAD, TEMPERATURE, build_rank_micro_batches, full_gradients, window_gradients
 
-    from molt.trainer.actor import Actor, build_actor_model
+    from molt.trainer.actor import Actor
+    from molt.trainer.sharded_model import build_actor_model
     from molt.trainer.batch import build_micro_batches
     from molt.trainer.optimizer import OptimizerSettings
     from molt.distributed.parallelize import ShardingPlan, TrainerMesh

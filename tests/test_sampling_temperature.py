@@ -9,7 +9,7 @@ import torch
 
 from molt.agents.base import SamplingParams
 from molt.trace.experience import Experience, Segment
-from molt.trainer.actor import install_scoring_head, score_micro_batch
+from molt.trainer.scoring import install_scoring_head, score_micro_batch
 from molt.trainer.batch import build_micro_batches
 
 pytestmark = pytest.mark.e2e  # starts a vLLM engine

@@ -137,36 +137,37 @@ def test_settings_change_when_the_base_model_or_the_data_is_rewritten_in_place(t
 def _one_step(rank: int, world_size: int, model_dir: str, rows: list[dict], packing: bool) -> dict:
     import torch.distributed as dist
 
-    from molt.trainer.actor import Actor, build_actor_model, choose_layout
-    from molt.trainer.batch import build_windows, share_step_batch
-    from molt.trace.experience import Experience
-    from molt.trainer.optimizer import OptimizerSettings
-    from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+    from molt.distributed.parallelize import TrainerMesh
     from molt.sft import train_step
+    from molt.trace.experience import Experience
+    from molt.trainer.batch import build_windows, share_step_batch
+    from molt.trainer.policy import build_policy
 
+    cfg = MoltConfig()
+    cfg.model.path, cfg.train.packing = model_dir, packing
+    cfg.train.learning_rate, cfg.train.weight_decay, cfg.train.max_grad_norm = 1e-2, 0.01, 0.0
     mesh = TrainerMesh.from_group(dist.group.WORLD, "cpu")
-    model = build_actor_model(model_dir, mesh=mesh, device=torch.device("cpu"), plan=ShardingPlan())
-    settings = OptimizerSettings(lr=1e-2, weight_decay=0.01)
-    actor = Actor(model, group=mesh.dp_group, device=torch.device("cpu"), optimizer=settings, max_grad_norm=0.0)
+    policy = build_policy(cfg, mesh=mesh, device=torch.device("cpu"), num_steps=1)  # as molt.sft builds it
     examples = [Experience(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * len(ids),
                            policy_versions=[0] * len(ids), reward=0.0, score=0.0, group_id=i, rollout_id=i)
                 for i, (ids, mask) in enumerate(rows)]
-    layout = choose_layout(actor, 0, torch.float32) if packing else "padded"
+    layout = policy.micro_batch_layout
+    assert layout == ("rows" if packing else "padded")  # sdpa on CPU: rows as wide as the longest experience
     shares, counts = share_step_batch(examples, num_ranks=world_size, num_windows=1, max_tokens_per_micro_batch=48,
                                       layout=layout)
     micro_batches = build_windows([examples[i] for i in shares[rank]], num_windows=1, micro_batch_counts=counts,
-                                  max_tokens_per_micro_batch=48, pad_token_id=0, layout=layout)[0]
-    metrics = train_step(actor, micro_batches, aux_loss_coef=0.0)
+                                  max_tokens_per_micro_batch=48, pad_token_id=policy.pad_token_id, layout=layout)[0]
+    metrics = train_step(policy.actor, micro_batches, aux_loss_coef=0.0)
     weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for name, p in model.named_parameters()}
+               for name, p in policy.actor.model.named_parameters()}
     return {"metrics": metrics, "weights": weights, "num_micro_batches": len(micro_batches)}
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_one_step_matches_a_naive_hugging_face_step(tiny_model_dir, tokenizer, packing):
-    """Two gloo ranks, several micro-batches each: the loss is the token mean of the whole batch's
-    assistant tokens (plain cross-entropy, one row at a time here) and the step is plain AdamW on
-    its gradient."""
+    """Two gloo ranks, several micro-batches each, on the actor molt.sft builds (build_policy): the
+    loss is the token mean of the whole batch's assistant tokens (plain cross-entropy, one row at a
+    time here) and the step is plain AdamW on its gradient."""
     rows = []
     for a in range(8):
         messages = [{"role": "user", "content": f"{a}+{a + 1}="}, {"role": "assistant", "content": str(2 * a + 1)}]

@@ -15,7 +15,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh, build_trainer_mesh, check_tensor_parallel_support
 from molt.models.hf_checkpoint import build_empty_model
-from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.actor import Actor, PolicyLoss
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.batch import assign_to_ranks, build_micro_batches
 from molt.trainer.critic import build_reference_model, build_value_model, compute_reference_logprobs
 from molt.trainer.optimizer import OptimizerSettings

@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh, apply_tensor_parallel
 from molt.models.hf_checkpoint import build_empty_model
-from molt.trainer.actor import Actor, build_actor_model, install_scoring_head, shard_and_load
+from molt.trainer.actor import Actor
+from molt.trainer.scoring import install_scoring_head
+from molt.trainer.sharded_model import build_actor_model, shard_and_load
 from molt.trainer.batch import build_micro_batches
 from molt.trainer.optimizer import OptimizerSettings
 

@@ -20,7 +20,8 @@ from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.models.vision_language import format_image_inputs
 from molt.trace.experience import Experience
 from molt.trace.images import ImageInputs
-from molt.trainer.actor import Actor, PolicyLoss, build_actor_model
+from molt.trainer.actor import Actor, PolicyLoss
+from molt.trainer.sharded_model import build_actor_model
 from molt.trainer.batch import build_micro_batches
 from molt.trainer.optimizer import OptimizerSettings
 
@@ -204,7 +205,7 @@ def test_two_ranks_score_and_train_images_beside_text_only_ranks(tiny_vlm_path, 
 
 def refit_rank(rank: int, world_size: int, model_path, port_file: str, experience: Experience) -> list[float]:
     """Perturb every shard (the vision tower's too), refit the engine, and score `experience` at temperature 1."""
-    from molt.trainer.actor import score_tokens
+    from molt.trainer.scoring import score_tokens
     from molt.refit.gloo import RefitSender
 
     model = build_actor_model(str(model_path), mesh=TrainerMesh.from_group(dist.group.WORLD, "cpu"), device=CPU,

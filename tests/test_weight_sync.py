@@ -322,7 +322,7 @@ def _two_trainer_ranks_one_engine_gone(rank: int, world_size: int, model_dir: st
     import molt.refit.nccl as nccl
     from vllm.distributed.weight_transfer import packed_tensor
 
-    from molt.trainer.actor import build_actor_model
+    from molt.trainer.sharded_model import build_actor_model
     from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     torch.accelerator.current_device_index = lambda: 0
@@ -542,7 +542,7 @@ class DeviceCheckingLink:
 def _gather_on_cuda_streams(model_path: str, offload: bool) -> None:
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-    from molt.trainer.actor import build_actor_model
+    from molt.trainer.sharded_model import build_actor_model
     from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 
     device = torch.device("cuda", 0)

@@ -289,7 +289,7 @@ def apply_tensor_parallel(model: nn.Module, backbone: nn.Module, tp_mesh: Device
     sequence; each block follows `block_plan`; the final norm runs sequence-parallel and gathers
     its output, so every head computes on the whole, replicated hidden states. The LM head's
     weight is vocab-sharded like the embedding (tied models keep one parameter) and gathered whole
-    at use (molt.trainer.actor.ScoringHead): not a vocab-parallel loss, so each tensor-parallel rank
+    at use (molt.trainer.scoring.ScoringHead): not a vocab-parallel loss, so each tensor-parallel rank
     computes the same log-probs, at the memory of one whole head weight. Any other parameter
     outside the backbone (the critic's value head) is replicated (`replicate_module`). So every
     parameter is a DTensor on the tp mesh, and after FSDP2 on one (dp..., tp) mesh, which the
@@ -309,7 +309,7 @@ def apply_tensor_parallel(model: nn.Module, backbone: nn.Module, tp_mesh: Device
         parallelize_module(block, tp_mesh, block_plan(block))
     if isinstance(head, nn.Linear):  # a plain head returns whole logits
         parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-    elif head is not None and not tied:  # molt.trainer.actor.ScoringHead gathers its weight itself
+    elif head is not None and not tied:  # molt.trainer.scoring.ScoringHead gathers its weight itself
         # src_data_rank=None: each rank keeps its own rows of its (meta) copy, no communication.
         head.weight = nn.Parameter(distribute_tensor(head.weight, tp_mesh, [Shard(0)], src_data_rank=None))
     if tied:

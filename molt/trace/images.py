@@ -221,7 +221,7 @@ def data_uri(blob: bytes) -> str:
 # -- the model's processor ---------------------------------------------------------------------------
 
 # Processor outputs that come with a leading dim of one per text (Idefics3: [1, tiles, ...]); they
-# are stored without it and the trainer puts it back (molt.trainer.actor). Other outputs are per image already.
+# are stored without it and the trainer puts it back (molt.trainer.scoring). Other outputs are per image already.
 BATCHED_OUTPUTS = {"idefics3": ("pixel_values", "pixel_attention_mask")}
 
 

@@ -71,11 +71,11 @@ class MicroBatch:
         """Keyword arguments of the model's forward: padded rows with their attention mask, or packed
         rows with per-sequence position ids and no mask (Hugging Face then keeps attention within
         each sequence: a block-diagonal causal mask per row, or variable-length flash attention on
-        CUDA where flash-attn is installed: molt.trainer.actor.choose_attention)."""
+        CUDA where flash-attn is installed: molt.trainer.sharded_model.choose_attention)."""
         inputs = ({"input_ids": self.input_ids, "attention_mask": self.attention_mask} if self.packed_ids is None
                   else {"input_ids": self.packed_ids, "position_ids": self.position_ids})
         if self.image_inputs is not None:
-            inputs["image_inputs"] = self.image_inputs  # molt.trainer.actor.score_tokens formats them for the model
+            inputs["image_inputs"] = self.image_inputs  # molt.trainer.scoring.score_tokens formats them for the model
         return inputs
 
     def model_temperatures(self) -> torch.Tensor:
@@ -163,7 +163,7 @@ def assign_to_ranks(experiences: list[Experience], num_ranks: int) -> list[list[
 
 
 LAYOUTS = ("padded", "rows", "row")
-"""How a micro-batch's experiences are laid out for the model (`molt.trainer.actor.packing_layout` picks one):
+"""How a micro-batch's experiences are laid out for the model (`molt.trainer.policy.packing_layout` picks one):
 - padded: one experience per row, right-padded to the longest; budget rows x longest.
 - rows: packed into rows as wide as the micro-batch's longest experience, first-fit decreasing, pad
   only at row ends; budget rows x width. Attention cost stays rows x width^2, as padded, which a

@@ -9,15 +9,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoConfig, AutoModel
 
 from molt.distributed.parallelize import ShardingPlan, TrainerMesh
 from molt.models.hf_checkpoint import build_empty_model
 from molt.models.vision_language import is_vision_language
 from molt.objectives import compute_value_loss
-from molt.trainer.actor import (TrainableModel, build_actor_model, compute_window_denominator, score_micro_batch,
-                                shard_and_load)
 from molt.trainer.batch import MicroBatch
+from molt.trainer.scoring import score_micro_batch
+from molt.trainer.sharded_model import build_actor_model, shard_and_load
+from molt.trainer.trainable import TrainableModel, compute_window_denominator
+
 
 class ValueModel(nn.Module):
     """A Hugging Face decoder backbone (no LM head) with a scalar value head on every position.
@@ -33,9 +35,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.model = backbone  # named like a causal LM's `model`, so parameter names match it
         parameter = next(backbone.parameters())
-        self.value_head = nn.Linear(
-            backbone.config.hidden_size, 1, dtype=parameter.dtype, device=parameter.device
-        )
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1, dtype=parameter.dtype, device=parameter.device)
         self.reset_value_head()
 
     @torch.no_grad()
@@ -47,9 +47,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [rows, len, hidden]
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state  # [rows, len, hidden]
         values = self.value_head(hidden).squeeze(-1)  # [rows, len]: value after reading token t
         values = values.to(torch.promote_types(values.dtype, torch.float32))
         shifted = F.pad(values[:, :-1], (1, 0))
@@ -59,8 +58,6 @@ class ValueModel(nn.Module):
 def build_value_model(model_path: str, *, mesh: TrainerMesh, device: torch.device, plan: ShardingPlan) -> ValueModel:
     """The backbone of a Hugging Face causal LM with a zero value head, sharded and loaded like
     `build_actor_model` (meta device, `shard_model`, each rank reading its own slices)."""
-    from transformers import AutoConfig
-
     if is_vision_language(AutoConfig.from_pretrained(model_path)):
         raise ValueError(f"model.path={model_path!r} is a vision-language model; a critic (GAE, "
                          f"algorithm.advantage_estimator) on one is not supported yet: use a group estimator "
@@ -86,14 +83,8 @@ class Critic(TrainableModel):
         self.model.reshard()
         return values
 
-    def train_window(
-        self,
-        micro_batches: list[MicroBatch],
-        *,
-        old_values: list[torch.Tensor],
-        returns: list[torch.Tensor],
-        clip_range: float | None,
-    ) -> dict[str, float]:
+    def train_window(self, micro_batches: list[MicroBatch], *, old_values: list[torch.Tensor],
+                     returns: list[torch.Tensor], clip_range: float | None) -> dict[str, float]:
         """One optimizer step on the clipped value loss (skipped when the loss or the gradient norm is
         not finite on some rank); returns metrics reduced over the group.
 
@@ -104,13 +95,10 @@ class Critic(TrainableModel):
             clip_range: see `compute_value_loss`; None for the unclipped loss.
         """
         if not len(micro_batches) == len(old_values) == len(returns):
-            raise ValueError(
-                f"need old_values and returns for each micro-batch, got {len(micro_batches)} "
-                f"micro-batches, {len(old_values)} old_values and {len(returns)} returns"
-            )
-        sums = self.compute_window_gradients(
-            micro_batches, old_values=old_values, returns=returns, clip_range=clip_range
-        )
+            raise ValueError(f"need old_values and returns for each micro-batch, got {len(micro_batches)} "
+                             f"micro-batches, {len(old_values)} old_values and {len(returns)} returns")
+        sums = self.compute_window_gradients(micro_batches, old_values=old_values, returns=returns,
+                                             clip_range=clip_range)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
         loss, tokens, clipped, error_sum, value_sum, return_sum, return_square_sum = sums.tolist()
         grad_norm, stepped = self.step_optimizer(loss_is_finite=math.isfinite(loss))
@@ -118,27 +106,13 @@ class Critic(TrainableModel):
         # 1 - MSE / Var(returns): 1 is a perfect fit, 0 no better than the mean return; NaN when
         # the returns do not vary (nothing to explain).
         return_variance = return_square_sum * per_token - (return_sum * per_token) ** 2
-        explained_variance = float("nan")
-        if return_variance > 0:
-            explained_variance = 1.0 - error_sum * per_token / return_variance
-        return {
-            "value_loss": loss,
-            "value_clip_fraction": clipped * per_token,
-            "value_grad_norm": grad_norm,
-            "explained_variance": explained_variance,
-            "value_mean": value_sum * per_token,
-            "return_mean": return_sum * per_token,
-            "value_skipped_nonfinite": float(not stepped),
-        }
+        explained_variance = 1.0 - error_sum * per_token / return_variance if return_variance > 0 else float("nan")
+        return {"value_loss": loss, "value_clip_fraction": clipped * per_token, "value_grad_norm": grad_norm,
+                "explained_variance": explained_variance, "value_mean": value_sum * per_token,
+                "return_mean": return_sum * per_token, "value_skipped_nonfinite": float(not stepped)}
 
-    def compute_window_gradients(
-        self,
-        micro_batches: list[MicroBatch],
-        *,
-        old_values: list[torch.Tensor],
-        returns: list[torch.Tensor],
-        clip_range: float | None,
-    ) -> torch.Tensor:
+    def compute_window_gradients(self, micro_batches: list[MicroBatch], *, old_values: list[torch.Tensor],
+                                 returns: list[torch.Tensor], clip_range: float | None) -> torch.Tensor:
         """Accumulate the token-mean value-loss gradient of the window into `.grad`.
 
         Returns this rank's sums [loss, action_tokens, clipped_tokens, error_sum, value_sum,
@@ -150,31 +124,16 @@ class Critic(TrainableModel):
         sums = torch.zeros(7, dtype=torch.float64, device=self.device)
         for micro_batch, micro_old_values, micro_returns in zip(micro_batches, old_values, returns):
             if not micro_old_values.shape == micro_returns.shape == micro_batch.input_ids.shape:
-                raise ValueError(
-                    f"old_values {tuple(micro_old_values.shape)} and returns "
-                    f"{tuple(micro_returns.shape)} must match the micro-batch's input_ids "
-                    f"{tuple(micro_batch.input_ids.shape)}"
-                )
+                raise ValueError(f"old_values {tuple(micro_old_values.shape)} and returns {tuple(micro_returns.shape)} "
+                                 f"must match the micro-batch's input_ids {tuple(micro_batch.input_ids.shape)}")
             micro_batch = micro_batch.to(self.device)
             values = micro_batch.to_rows(self.model(**micro_batch.model_inputs()))
-            loss, stats = compute_value_loss(
-                values,
-                micro_old_values.to(self.device),
-                micro_returns.to(self.device),
-                micro_batch.action_mask,
-                clip_range=clip_range,
-                denominator=denominator,
-            )
+            loss, stats = compute_value_loss(values, micro_old_values.to(self.device), micro_returns.to(self.device),
+                                             micro_batch.action_mask, clip_range=clip_range, denominator=denominator)
             loss.backward()
-            sums += torch.stack([
-                loss.detach(),
-                micro_batch.action_mask.sum(),
-                stats["value_clipped_tokens"],
-                stats["value_error_sum"],
-                stats["value_sum"],
-                stats["return_sum"],
-                stats["return_square_sum"],
-            ]).to(torch.float64)
+            sums += torch.stack([loss.detach(), micro_batch.action_mask.sum(), stats["value_clipped_tokens"],
+                                 stats["value_error_sum"], stats["value_sum"], stats["return_sum"],
+                                 stats["return_square_sum"]]).to(torch.float64)
         return sums
 
 

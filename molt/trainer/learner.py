@@ -30,7 +30,7 @@ from molt.trainer.actor import Actor, PolicyLoss, WindowResult, summarize_window
 from molt.trainer.batch import MicroBatch, compute_group_advantages
 from molt.trainer.critic import Critic, build_reference_model, build_value_model, compute_reference_logprobs
 from molt.trainer.diagnostics import StepDiagnostics
-from molt.trainer.optimizer import OptimizerSettings
+from molt.trainer.optimizer import optimizer_settings
 
 
 @dataclass(kw_only=True)
@@ -391,18 +391,6 @@ def _global_moments(values: list[torch.Tensor], micro_batches: list[MicroBatch],
         torch.zeros(3, dtype=torch.float64, device=device)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     return Moments(*totals)
-
-
-def optimizer_settings(cfg: MoltConfig, *, lr: float | None = None) -> OptimizerSettings:
-    """The train section's AdamW and schedule settings (lr: the critic's own peak, else train.learning_rate)."""
-    train = cfg.train
-    return OptimizerSettings(lr=train.learning_rate if lr is None else lr, betas=tuple(train.adam_betas),
-                             eps=train.adam_eps, weight_decay=train.weight_decay,
-                             no_weight_decay_on=tuple(train.no_weight_decay_on), schedule=train.lr_schedule,
-                             num_steps=train.num_steps, warmup_steps=train.warmup_steps,
-                             min_lr_ratio=train.min_lr_ratio,
-                             # The critic (its own lr) has other parameter names: the multipliers are the actor's.
-                             lr_multipliers=tuple(train.lr_multipliers.items()) if lr is None else ())
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

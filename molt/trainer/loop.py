@@ -18,19 +18,18 @@ from molt.controller.pool import (ROLLOUT_RANK_STOP_SECONDS, FailedStepStreak, R
                                   compute_staleness)
 from molt.controller.prompts import PromptRow
 from molt.distributed.devices import release_cache_before_wake
-from molt.distributed.parallelize import ShardingPlan, TrainerMesh
+from molt.distributed.parallelize import TrainerMesh
 from molt.metrics import MetricsLogger, StageTimer, process_resources
 from molt.refit.backends import build_sender
 from molt.refit.weight_sync import RefitError, RefitSendError, engine_first_rank, refit_world_size
 from molt.trace.experience import Experience
-from molt.trainer.actor import Actor, build_actor_model, choose_layout
 from molt.trainer.batch import MicroBatch, build_windows, share_step_batch
 from molt.trainer.checkpoint import (STOP_REQUEST, checkpoint_run_id, load_checkpoint, new_run_id, read_wandb_run_id,
                                      resolve_resume, save_checkpoint)
 from molt.trainer.diagnostics import (PREFIX, WATCHED_RATIOS, DiagnosticsReport, DropWatcher, StepDiagnostics,
                                       count_digest_mismatches)
-from molt.trainer.learner import BatchInfo, Learner, optimizer_settings
-from molt.trainer.routing_replay import RoutingReplay
+from molt.trainer.learner import BatchInfo, Learner
+from molt.trainer.policy import build_policy
 from molt.transport.payloads import PayloadClient, PayloadRef, default_node_id, reload_record
 from molt.transport.wire import ControllerAddress, Router, connect_dealer, pack, unpack
 
@@ -66,20 +65,12 @@ class Trainer:
         # Trainer rank r is tensor-parallel rank r % tp of data-parallel rank r // tp (molt.distributed.parallelize).
         self.tp_size, self.tp_rank, self.dp_size = mesh.tp_size, mesh.tp_rank, mesh.dp_size
         self.unreleased_payloads: list[PayloadRef] = []  # see reload
-        plan = ShardingPlan.from_config(cfg)
-        model = build_actor_model(cfg.model.path, mesh=mesh, device=device, plan=plan,
-                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
-                                  freeze_router=cfg.train.freeze_router)
-        self.pad_token_id = _pad_token_id(model)
-        routing = RoutingReplay.install(model, replay=cfg.algorithm.routing_replay,
-                                       aux_loss_coef=cfg.algorithm.router_aux_loss_coef)  # None: a dense model
-        self.actor = Actor(model, group=mesh.dp_group, device=device, optimizer=optimizer_settings(cfg),
-                           max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature,
-                           routing=routing)
+        policy = build_policy(cfg, mesh=mesh, device=device, num_steps=cfg.train.num_steps,
+                              temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
+        self.actor, self.pad_token_id = policy.actor, policy.pad_token_id
+        self.micro_batch_layout = policy.micro_batch_layout  # molt.trainer.batch.LAYOUTS
         self.learner = Learner(cfg, self.actor, mesh=mesh, device=device)
-        self.micro_batch_layout = (choose_layout(self.actor, self.pad_token_id, plan.forward_dtype) if cfg.train.packing
-                       else "padded")  # molt.trainer.batch.LAYOUTS
-        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device=device)  # molt.refit.weight_sync
+        self.refit = build_sender(cfg, self.actor.model, is_sender=self.is_controller, device=device)  # molt.refit
         # Experiences arrive as light records; each rank fetches its own share's token-axis fields
         # from the payload store of the rollout rank that produced them (DESIGN section 7).
         self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
@@ -522,16 +513,6 @@ def _rollout_metrics(rollouts: StepRollouts, experiences: list[Experience]) -> d
             infos.setdefault(key, []).append(value)
     metrics.update({f"agent/{k}": statistics.fmean(v) for k, v in infos.items()})
     return metrics
-
-
-def _pad_token_id(model) -> int:
-    config = model.config
-    for candidate in (config.pad_token_id, config.eos_token_id, 0):
-        if isinstance(candidate, list):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def remove_stale_metrics(output_dir: str) -> None:

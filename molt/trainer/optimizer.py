@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from molt.config import MoltConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSettings:
@@ -28,6 +30,18 @@ class OptimizerSettings:
     # (parameter-name prefix, factor on lr): a module's own learning rate (train.lr_multipliers), e.g. a
     # vision tower that learns from scratch; the longest matching prefix wins; the schedule scales all alike.
     lr_multipliers: tuple[tuple[str, float], ...] = ()
+
+
+def optimizer_settings(cfg: MoltConfig, *, lr: float | None = None) -> OptimizerSettings:
+    """The train section's AdamW and schedule settings (lr: the critic's own peak, else train.learning_rate)."""
+    train = cfg.train
+    return OptimizerSettings(lr=train.learning_rate if lr is None else lr, betas=tuple(train.adam_betas),
+                             eps=train.adam_eps, weight_decay=train.weight_decay,
+                             no_weight_decay_on=tuple(train.no_weight_decay_on), schedule=train.lr_schedule,
+                             num_steps=train.num_steps, warmup_steps=train.warmup_steps,
+                             min_lr_ratio=train.min_lr_ratio,
+                             # The critic (its own lr) has other parameter names: the multipliers are the actor's.
+                             lr_multipliers=tuple(train.lr_multipliers.items()) if lr is None else ())
 
 
 def classify_parameter(module: nn.Module, name: str, parameter: nn.Parameter) -> str | None:

@@ -278,7 +278,7 @@ def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Mod
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32) if rank == 0 else None
-    from molt.trainer.actor import build_actor_model
+    from molt.trainer.sharded_model import build_actor_model
     from molt.distributed.parallelize import ShardingPlan, build_trainer_mesh
 
     mesh = build_trainer_mesh(num_trainer_ranks=NUM_TRAINER_RANKS, device_type="cpu",

@@ -93,7 +93,7 @@ from molt.trainer.logprobs import compute_chunked_logprobs  # noqa: E402
 KIB = 1024
 MAX_THREADS = 2  # the bench machine's CPUs are shared with other workers
 # Molt's packed layout where attention takes a block-diagonal mask (sdpa on CPU): rows as wide as
-# the micro-batch's longest experience (molt.trainer.actor.packing_layout).
+# the micro-batch's longest experience (molt.trainer.policy.packing_layout).
 CPU_PACKED_LAYOUT = "rows"
 LONG_TAIL_MAX_TOKENS = 400
 PAD_TOKEN_ID = 0
@@ -270,20 +270,15 @@ def build_step_windows(experiences: list, *, max_tokens_per_micro_batch: int, la
 def build_learner(cfg, group: dist.ProcessGroup):
     """The actor and learner of `cfg` on CPU, built the way molt.trainer.loop.Trainer builds them."""
     from molt.distributed.parallelize import TrainerMesh
-
-    from molt.trainer.actor import Actor, build_actor_model, choose_layout
-    from molt.trainer.learner import Learner, optimizer_settings
-    from molt.distributed.parallelize import ShardingPlan
+    from molt.trainer.learner import Learner
+    from molt.trainer.policy import build_policy
 
     mesh = TrainerMesh.from_group(group, "cpu")
-    plan = ShardingPlan.from_config(cfg)
-    model = build_actor_model(cfg.model.path, mesh=mesh, device=CPU, plan=plan,
-                              logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
-    actor = Actor(model, group=group, device=CPU, optimizer=optimizer_settings(cfg),
-                  max_grad_norm=cfg.train.max_grad_norm, temperature=cfg.rollout.temperature)
-    if cfg.train.packing and choose_layout(actor, PAD_TOKEN_ID, plan.forward_dtype) == "padded":
+    policy = build_policy(cfg, mesh=mesh, device=CPU, num_steps=cfg.train.num_steps,
+                          temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
+    if cfg.train.packing and policy.micro_batch_layout == "padded":
         raise RuntimeError("the model does not keep packed sequences apart here; packing figures are meaningless")
-    return Learner(cfg, actor, mesh=mesh, device=CPU)
+    return Learner(cfg, policy.actor, mesh=mesh, device=CPU)
 
 
 def time_alternating(runs: dict[str, Callable[[], object]], *, warmup: int, measured: int) -> dict[str, list[float]]:
@@ -522,7 +517,8 @@ def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.d
     float32 master weights with bfloat16 compute, every block checkpointed, chunked log-probs."""
     from molt.distributed.parallelize import TrainerMesh
 
-    from molt.trainer.actor import Actor, build_actor_model
+    from molt.trainer.actor import Actor
+    from molt.trainer.sharded_model import build_actor_model
     from molt.trainer.optimizer import OptimizerSettings
     from molt.distributed.parallelize import ShardingPlan
 
@@ -534,7 +530,7 @@ def build_gpu_actor(sizes: dict, args, group: dist.ProcessGroup, device: torch.d
             torch.cuda.empty_cache()
         model = build_actor_model(directory, mesh=mesh, device=device, plan=plan,
                                   logprob_chunk_tokens=args.gpu_chunk_tokens)
-    if args.gpu_attention != "auto":  # else Molt's choice (molt.trainer.actor.choose_attention)
+    if args.gpu_attention != "auto":  # else Molt's choice (molt.trainer.sharded_model.choose_attention)
         model.set_attn_implementation(args.gpu_attention)
     return Actor(model, group=group, device=device, optimizer=OptimizerSettings(lr=1e-6), max_grad_norm=1.0)
 
@@ -556,7 +552,8 @@ def synchronize(device: torch.device) -> None:
 def gpu_scale_figure(args) -> list[dict]:
     """The one-GPU figure; with --gpu-device cpu (the tiny preset, for CI) the same code on CPU,
     where there are no allocator statistics (peak memory is reported as None)."""
-    from molt.trainer.actor import PolicyLoss, packing_layout
+    from molt.trainer.actor import PolicyLoss
+    from molt.trainer.policy import packing_layout
     from molt.trainer.batch import build_micro_batches
 
     device = torch.device("cuda", 0) if args.gpu_device == "cuda" else CPU
