@@ -22,14 +22,3 @@ from molt.config.schema import (DEFAULT_GPU_ENGINE_MEMORY_FRACTION, DEFAULT_KV_C
                                 PayloadConfig, RefitConfig, RolloutConfig, SFTConfig, TrainConfig,
                                 parse_activation_checkpointing)
 from molt.config.validate import check_cpu_offload, check_device_options, config_warnings, validate_config
-
-__all__ = [
-    "DEFAULT_GPU_ENGINE_MEMORY_FRACTION", "DEFAULT_KV_CACHE_GIGABYTES", "GROUP_ESTIMATORS",
-    "AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "ConfigSection", "DataConfig", "EvalConfig",
-    "LayoutConfig", "MetricsConfig", "ModelConfig", "MoltConfig", "PayloadConfig", "RefitConfig", "RolloutConfig",
-    "SFTConfig", "TrainConfig",
-    "apply_override", "build_arg_parser", "check_cpu_offload", "check_device_options", "checkpoint_bytes",
-    "config_warnings", "count_engines_per_node", "engine_start_limit_seconds", "engine_start_seconds",
-    "field_type_errors", "load_config", "main", "parse_activation_checkpointing", "resolve_enforce_eager",
-    "validate_config",
-]

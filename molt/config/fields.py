@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 
@@ -68,57 +69,44 @@ def _has_type(value, hint) -> bool:
 
 
 def type_name(hint) -> str:
-    """How an error names a type: `tuple[str, ...]` for a tuple of words, `bool | None`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Literal or not origin:
-        return "None" if hint is type(None) else getattr(_base_type(hint), "__name__", str(hint))
-    names = ["..." if arg is Ellipsis else type_name(arg) for arg in args]
-    return " | ".join(names) if origin in (typing.Union, types.UnionType) else f"{origin.__name__}[{', '.join(names)}]"
+    """How an error names a type: as annotated, a Literal as the type of its words (`tuple[str, ...]`)."""
+    name = str(hint) if typing.get_origin(hint) else getattr(hint, "__name__", str(hint))
+    return re.sub(r"typing\.Literal\[[^\]]*\]", "str", name)
 
 
 def convert(raw: str, hint, key: str):
-    """A `--set key=raw` string as a value of the field's type `hint`; ConfigError naming the key and
-    the type, or for a Literal field the words."""
-    try:
-        value = _parse(raw, hint)
-    except (ValueError, json.JSONDecodeError) as error:
-        raise ConfigError(f"--set {key}={raw!r}: expected {type_name(hint)}") from error
-    except NotImplementedError as error:
-        raise ConfigError(f"--set {key}: fields of type {type_name(hint)} cannot be set from the command "
-                          f"line") from error
-    if errors := word_errors(key, value, hint):
-        raise ConfigError(f"--set {errors[0]}")
-    return value
-
-
-def _parse(raw: str, hint):
+    """A `--set key=raw` string as a value of the field's type `hint` (a Literal field's words are
+    checked by word_errors after)."""
     hint = _base_type(hint)
     origin = typing.get_origin(hint)
-    if hint is bool:
-        lowered = raw.lower()
-        if lowered not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(raw)
-        return lowered in ("true", "1", "yes")
-    if hint in (int, float, str):
-        return hint(raw)
-    if origin in (tuple, list):
-        args = typing.get_args(hint)
-        item_type = _base_type(args[0]) if args else str
-        try:
-            values = json.loads(raw if raw.startswith("[") else f"[{raw}]")
-        except json.JSONDecodeError:
-            if item_type is not str:
-                raise
-            values = [v.strip() for v in raw.strip("[]").split(",") if v.strip()]  # norms,biases
-        return origin(item_type(v) for v in values)
-    if origin in (typing.Union, types.UnionType):
-        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if len(members) == 1:  # X | None: none/null, or an X (rollout.capture_routes=False)
-            return None if raw.lower() in ("none", "null") else _parse(raw, members[0])
-        return json.loads(raw)
-    if origin is dict:  # a JSON object: rollout.engine_args='{"max_num_seqs": 64}'
-        value = json.loads(raw)
-        if not isinstance(value, dict):
-            raise ValueError(raw)
-        return value
-    raise NotImplementedError(hint)
+    try:
+        if hint is bool:
+            lowered = raw.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(raw)
+            return lowered in ("true", "1", "yes")
+        if hint in (int, float, str):
+            return hint(raw)
+        if origin in (tuple, list):
+            args = typing.get_args(hint)
+            item_type = _base_type(args[0]) if args else str
+            try:
+                values = json.loads(raw if raw.startswith("[") else f"[{raw}]")
+            except json.JSONDecodeError:
+                if item_type is not str:
+                    raise
+                values = [v.strip() for v in raw.strip("[]").split(",") if v.strip()]  # norms,biases
+            return origin(item_type(v) for v in values)
+        if origin in (typing.Union, types.UnionType):
+            members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            if len(members) == 1:  # X | None: none/null, or an X (rollout.capture_routes=False)
+                return None if raw.lower() in ("none", "null") else convert(raw, members[0], key)
+            return json.loads(raw)
+        if origin is dict:  # a JSON object: rollout.engine_args='{"max_num_seqs": 64}'
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError(raw)
+            return value
+    except (ValueError, json.JSONDecodeError) as error:
+        raise ConfigError(f"--set {key}={raw!r}: expected {type_name(hint)}") from error
+    raise ConfigError(f"--set {key}: fields of type {type_name(hint)} cannot be set from the command line")

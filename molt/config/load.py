@@ -13,7 +13,7 @@ import sys
 import typing
 from pathlib import Path
 
-from molt.config.fields import convert
+from molt.config.fields import convert, word_errors
 from molt.config.schema import ConfigError, MoltConfig, closest
 from molt.config.validate import validate_config
 
@@ -52,15 +52,16 @@ def apply_override(cfg: MoltConfig, item: str) -> None:
     for depth, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(target)}
         if part not in fields:
-            prefix = ".".join(parts[:depth])
-            valid = [f"{prefix}.{n}" if prefix else n for n in fields]
-            close = closest(key, _all_keys(cfg)) or valid[0]
+            close = closest(key, _all_keys(cfg)) or ".".join([*parts[:depth], next(iter(fields))])
             raise ConfigError(f"--set {item!r}: unknown key {key!r}; did you mean {close!r}?")
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(target, part)):
                 raise ConfigError(f"--set {item!r}: {key!r} is a section; set one of its fields")
             hint = typing.get_type_hints(type(target))[part]
-            setattr(target, part, convert(raw.strip(), hint, key))
+            value = convert(raw.strip(), hint, key)
+            if errors := word_errors(key, value, hint):  # a word from a fixed set: one of its words
+                raise ConfigError(f"--set {errors[0]}")
+            setattr(target, part, value)
         else:
             target = getattr(target, part)
             if not dataclasses.is_dataclass(target):

@@ -51,6 +51,4 @@ def engine_start_limit_seconds(cfg: MoltConfig, num_bytes: int | None = None) ->
 def resolve_enforce_eager(enforce_eager: bool | None, *, on_gpu: bool) -> bool:
     """rollout.enforce_eager, None = auto: CUDA graphs on GPUs (faster decode), eager on CPU, where
     vLLM's CPU backend would compile the model (slow starts, and no route capture: molt.rollout.route_capture)."""
-    if enforce_eager is not None:
-        return enforce_eager
-    return not on_gpu
+    return not on_gpu if enforce_eager is None else enforce_eager

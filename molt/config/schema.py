@@ -46,16 +46,30 @@ class ConfigSection:
         """This section's own range errors (a section without ranges has none)."""
         return []
 
+    def at_least(self, name: str, low: int, note: str = "") -> tuple[bool, str]:
+        """The rule `name >= low`, for check(): `train.num_steps=0: need at least 1` (a count) or
+        `agent.max_failed_steps=-1: must be >= 0 (0 never stops the job)`."""
+        value, count = getattr(self, name), type(self.__dataclass_fields__[name].default) is int
+        need = "need at least 1" if count and low == 1 else f"must be >= {low}"
+        return value >= low, f"{_section_prefix(type(self))}{name}={value}: {need}" + (f" ({note})" if note else "")
+
+    def above(self, name: str, low: int) -> tuple[bool, str]:
+        """The rule `name > low`, for check(): `rollout.temperature=0: must be > 0`."""
+        return getattr(self, name) > low, f"{_section_prefix(type(self))}{name}={getattr(self, name)}: must be > {low}"
+
 
 def closest(name: str, candidates: list[str], cutoff: float = 0.6) -> str | None:
     matches = difflib.get_close_matches(name, candidates, n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 
+def _section_prefix(cls: type) -> str:
+    """'train.' for TrainConfig, '' for the root MoltConfig."""
+    return next((f"{f.name}." for f in dataclasses.fields(MoltConfig) if f.default_factory is cls), "")
+
+
 def _unknown_field_message(cls: type, name: str) -> str:
-    # The section's prefix: 'train.' for TrainConfig, '' for the root MoltConfig.
-    prefix = next((f"{f.name}." for f in dataclasses.fields(MoltConfig) if f.default_factory is cls), "")
-    fields = list(cls.__dataclass_fields__)
+    prefix, fields = _section_prefix(cls), list(cls.__dataclass_fields__)
     close = closest(name, fields)
     fix = f"did you mean {prefix + close!r}?" if close else f"its fields are {', '.join(fields)}"
     return f"{prefix}{name}: {cls.__name__} has no field {name!r}; {fix}"
@@ -114,16 +128,15 @@ class LayoutConfig(ConfigSection):
         tensor_parallel, gpus_per_node = self.engine_tensor_parallel_size, self.gpus_per_node
         engine_gpus = self.num_rollout_ranks * tensor_parallel
         return failing(
-            (self.num_trainer_ranks >= 1, f"layout.num_trainer_ranks={self.num_trainer_ranks}: need at least 1"),
-            (self.num_rollout_ranks >= 1, f"layout.num_rollout_ranks={self.num_rollout_ranks}: need at least 1"),
-            (tensor_parallel >= 1, f"layout.engine_tensor_parallel_size={tensor_parallel}: need at least 1"),
-            (gpus_per_node >= 1, f"layout.gpus_per_node={gpus_per_node}: need at least 1"),
+            self.at_least("num_trainer_ranks", 1),
+            self.at_least("num_rollout_ranks", 1),
+            self.at_least("engine_tensor_parallel_size", 1),
+            self.at_least("gpus_per_node", 1),
             (tensor_parallel < 1 or gpus_per_node < 1 or gpus_per_node % tensor_parallel == 0,
              f"layout.engine_tensor_parallel_size={tensor_parallel} does not divide layout.gpus_per_node="
              f"{gpus_per_node}: an engine's GPUs must share one node; use one of "
              f"{[size for size in range(1, gpus_per_node + 1) if gpus_per_node % size == 0]}"),
-            (self.gpu_memory_gigabytes >= 0,
-             f"layout.gpu_memory_gigabytes={self.gpu_memory_gigabytes}: must be >= 0 (0 skips the check)"),
+            self.at_least("gpu_memory_gigabytes", 0, "0 skips the check"),
             (not self.colocate or engine_gpus == self.num_trainer_ranks,
              f"layout.colocate=True puts each engine on trainer ranks' GPUs: layout.num_rollout_ranks="
              f"{self.num_rollout_ranks} x layout.engine_tensor_parallel_size={tensor_parallel}"
@@ -134,19 +147,18 @@ class LayoutConfig(ConfigSection):
         """The trainer mesh dp_replicate x dp_shard x cp x tp must tile num_trainer_ranks, and ep borrows
         from the dp_shard ranks (dp_shard = dp_shard_mod_ep x ep); the model's side (num_experts
         divisible, not dense) is checked when the model is laid out."""
-        sizes = {"trainer_data_parallel_replicate": self.trainer_data_parallel_replicate,
-                 "trainer_context_parallel_size": self.trainer_context_parallel_size,
-                 "trainer_tensor_parallel_size": self.trainer_tensor_parallel_size}
-        product = math.prod(max(size, 1) for size in sizes.values())
+        names = ("trainer_data_parallel_replicate", "trainer_context_parallel_size", "trainer_tensor_parallel_size")
+        sizes = [getattr(self, name) for name in names]
+        product = math.prod(max(size, 1) for size in sizes)
         dp_shard, ep = self.num_trainer_ranks // max(product, 1), self.trainer_expert_parallel_size
         return failing(
-            *((size >= 1, f"layout.{name}={size}: need at least 1") for name, size in sizes.items()),
+            *(self.at_least(name, 1) for name in names),
             (self.num_trainer_ranks % product == 0,
              f"layout.num_trainer_ranks={self.num_trainer_ranks} is not a multiple of trainer_data_parallel_replicate "
              f"x trainer_context_parallel_size x trainer_tensor_parallel_size = "
-             f"{' x '.join(str(size) for size in sizes.values())} = {product}: the trainer mesh is dp_replicate x "
+             f"{' x '.join(map(str, sizes))} = {product}: the trainer mesh is dp_replicate x "
              f"dp_shard x cp x tp"),
-            (ep >= 1, f"layout.trainer_expert_parallel_size={ep}: need at least 1"),
+            self.at_least("trainer_expert_parallel_size", 1),
             (ep < 1 or dp_shard % ep == 0,
              f"layout.trainer_expert_parallel_size={ep} does not divide the dp_shard size {dp_shard} "
              f"(num_trainer_ranks / (replicate x cp x tp)): expert parallelism splits the data-parallel shard "
@@ -201,15 +213,11 @@ class AgentConfig(ConfigSection):
 
     def check(self) -> list[str]:
         return failing(
-            (self.max_turns >= 1, f"agent.max_turns={self.max_turns}: need at least 1"),
-            (self.rollout_timeout_seconds > 0,
-             f"agent.rollout_timeout_seconds={self.rollout_timeout_seconds}: must be > 0"),
-            (self.max_refills_per_group >= 0,
-             f"agent.max_refills_per_group={self.max_refills_per_group}: must be >= 0 (0 never refills)"),
-            (self.max_failed_steps >= 0,
-             f"agent.max_failed_steps={self.max_failed_steps}: must be >= 0 (0 never stops the job)"),
-            (self.max_concurrent_rollouts >= 1,
-             f"agent.max_concurrent_rollouts={self.max_concurrent_rollouts}: need at least 1"),
+            self.at_least("max_turns", 1),
+            self.above("rollout_timeout_seconds", 0),
+            self.at_least("max_refills_per_group", 0, "0 never refills"),
+            self.at_least("max_failed_steps", 0, "0 never stops the job"),
+            self.at_least("max_concurrent_rollouts", 1),
         )
 
 
@@ -287,19 +295,15 @@ class RolloutConfig(ConfigSection):
     def check(self) -> list[str]:
         # vLLM's own argument names: engine_args_errors imports vLLM, so only when there are any.
         return failing(
-            (self.prompts_per_step >= 1, f"rollout.prompts_per_step={self.prompts_per_step}: need at least 1"),
-            (self.n_samples_per_prompt >= 1,
-             f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}: need at least 1"),
-            (self.num_agent_workers >= 1,
-             f"rollout.num_agent_workers={self.num_agent_workers}: need at least 1 (agent code runs only in "
-             f"agent worker processes)"),
+            self.at_least("prompts_per_step", 1),
+            self.at_least("n_samples_per_prompt", 1),
+            self.at_least("num_agent_workers", 1, "agent code runs only in agent worker processes"),
             (self.max_response_tokens < self.max_length,
              f"rollout.max_response_tokens={self.max_response_tokens} must be below "
              f"rollout.max_length={self.max_length}"),
-            (self.max_response_tokens >= 1, f"rollout.max_response_tokens={self.max_response_tokens}: need at least 1"),
-            (self.temperature > 0, f"rollout.temperature={self.temperature}: must be > 0"),
-            (self.engine_threads >= 0,
-             f"rollout.engine_threads={self.engine_threads}: must be >= 0 (0 = vLLM's default)"),
+            self.at_least("max_response_tokens", 1),
+            self.above("temperature", 0),
+            self.at_least("engine_threads", 0, "0 = vLLM's default"),
             (self.engine_start_timeout_seconds >= 0,
              f"rollout.engine_start_timeout_seconds={self.engine_start_timeout_seconds}: must be > 0, or 0 for "
              f"auto (scaled with the checkpoint's size)"),
@@ -395,25 +399,22 @@ class TrainConfig(ConfigSection):
         bad_factors = {prefix: factor for prefix, factor in self.lr_multipliers.items()
                        if not (isinstance(factor, (int, float)) and factor > 0)}
         return failing(
-            (self.num_steps >= 1, f"train.num_steps={self.num_steps}: need at least 1"),
+            self.at_least("num_steps", 1),
             (ACTIVATION_CHECKPOINTING.fullmatch(self.activation_checkpointing) is not None,
              activation_checkpointing_error(self.activation_checkpointing)),
-            (self.logprob_chunk_tokens >= 1,
-             f"train.logprob_chunk_tokens={self.logprob_chunk_tokens}: need at least 1"),
-            (self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps}: must be >= 0 (0 = no warmup)"),
+            self.at_least("logprob_chunk_tokens", 1),
+            self.at_least("warmup_steps", 0, "0 = no warmup"),
             (0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]"),
-            (self.learning_rate > 0, f"train.learning_rate={self.learning_rate}: must be > 0"),
+            self.above("learning_rate", 0),
             (not bad_factors, f"train.lr_multipliers={bad_factors}: each factor must be a number > 0"),
-            (self.adam_eps > 0, f"train.adam_eps={self.adam_eps}: must be > 0"),
+            self.above("adam_eps", 0),
             (all(0 <= beta < 1 for beta in self.adam_betas),
              f"train.adam_betas={tuple(self.adam_betas)}: each must be in [0, 1)"),
-            (self.weight_decay >= 0, f"train.weight_decay={self.weight_decay}: must be >= 0"),
-            (self.max_grad_norm >= 0, f"train.max_grad_norm={self.max_grad_norm}: must be >= 0 (0 disables clipping)"),
-            (self.mini_batches_per_step >= 1,
-             f"train.mini_batches_per_step={self.mini_batches_per_step}: need at least 1"),
-            (self.ppo_epochs >= 1, f"train.ppo_epochs={self.ppo_epochs}: need at least 1"),
-            (self.max_consecutive_nonfinite_steps >= 1,
-             f"train.max_consecutive_nonfinite_steps={self.max_consecutive_nonfinite_steps}: need at least 1"),
+            self.at_least("weight_decay", 0),
+            self.at_least("max_grad_norm", 0, "0 disables clipping"),
+            self.at_least("mini_batches_per_step", 1),
+            self.at_least("ppo_epochs", 1),
+            self.at_least("max_consecutive_nonfinite_steps", 1),
         )
 
 
@@ -518,22 +519,19 @@ class AlgorithmConfig(ConfigSection):
             (0 < self.gamma <= 1, f"algorithm.gamma={self.gamma}: must be in (0, 1]"),
             (0 <= self.gae_lambda <= 1, f"algorithm.gae_lambda={self.gae_lambda}: must be in [0, 1]"),
             (0 <= self.clip_eps_low < 1, f"algorithm.clip_eps_low={self.clip_eps_low}: must be in [0, 1)"),
-            (self.clip_eps_high >= 0, f"algorithm.clip_eps_high={self.clip_eps_high}: must be >= 0"),
+            self.at_least("clip_eps_high", 0),
             (self.dual_clip == 0 or self.dual_clip > 1, f"algorithm.dual_clip={self.dual_clip}: use 0 (off) or > 1"),
             (self.dual_clip == 0 or self.policy_loss == "ppo",
              f"algorithm.dual_clip={self.dual_clip} caps PPO's token terms; algorithm.policy_loss={self.policy_loss!r} "
              f"has none to cap: set dual_clip=0"),
-            (self.loss_constant_tokens >= 0,
-             f"algorithm.loss_constant_tokens={self.loss_constant_tokens}: must be >= 0 (0 = "
-             f"rollout.max_response_tokens)"),
+            self.at_least("loss_constant_tokens", 0, "0 = rollout.max_response_tokens"),
             (self.loss_constant_tokens == 0 or self.loss_aggregation == "constant",
              f"algorithm.loss_constant_tokens={self.loss_constant_tokens} sets the constant aggregation's divisor, "
              f"which algorithm.loss_aggregation={self.loss_aggregation!r} does not use: set "
              f"loss_aggregation=constant, or loss_constant_tokens=0"),
-            (self.trust_region_kl >= 0, f"algorithm.trust_region_kl={self.trust_region_kl}: must be >= 0 (0 = off)"),
-            (self.trust_region_weight_cap >= 1,
-             f"algorithm.trust_region_weight_cap={self.trust_region_weight_cap}: must be >= 1 (a cap below 1 would "
-             f"shrink even the tokens on which trainer and engine agree)"),
+            self.at_least("trust_region_kl", 0, "0 = off"),
+            self.at_least("trust_region_weight_cap", 1,
+                          "a cap below 1 would shrink even the tokens on which trainer and engine agree"),
             (self.trust_region_kl == 0 or level in ("off", "token"),
              f"algorithm.trust_region_kl={self.trust_region_kl} rejects sequences by their KL and "
              f"algorithm.importance_level={level!r} rejects them by their ratio: use one rule, e.g. "
@@ -541,29 +539,27 @@ class AlgorithmConfig(ConfigSection):
             (level not in ("seq", "geo") or mode == "mask",
              f"algorithm.importance_level={level!r} with importance_mode={mode!r}: seq and geo take only mask"),
             (0 <= low < high, f"algorithm.importance_band={self.importance_band}: need 0 <= low < high"),
-            (self.entropy_coef >= 0, f"algorithm.entropy_coef={self.entropy_coef}: must be >= 0"),
-            (self.kl_coef >= 0, f"algorithm.kl_coef={self.kl_coef}: must be >= 0"),
-            (self.kl_target >= 0, f"algorithm.kl_target={self.kl_target}: must be >= 0 (0 = fixed kl_coef)"),
+            self.at_least("entropy_coef", 0),
+            self.at_least("kl_coef", 0),
+            self.at_least("kl_target", 0, "0 = fixed kl_coef"),
             (self.kl_target == 0 or self.kl_coef > 0,
              f"algorithm.kl_target={self.kl_target} adapts kl_coef, which is 0: set a starting algorithm.kl_coef > 0"),
-            (self.kl_horizon > 0, f"algorithm.kl_horizon={self.kl_horizon}: must be > 0"),
-            (self.critic_learning_rate > 0, f"algorithm.critic_learning_rate={self.critic_learning_rate}: must be > 0"),
-            (self.value_clip >= 0, f"algorithm.value_clip={self.value_clip}: must be >= 0 (0 = unclipped)"),
+            self.above("kl_horizon", 0),
+            self.above("critic_learning_rate", 0),
+            self.at_least("value_clip", 0, "0 = unclipped"),
             (self.max_staleness == 0 or level != "off",
              f"algorithm.max_staleness={self.max_staleness} trains on tokens sampled by older weights: it needs "
              f"algorithm.importance_level (e.g. token) to correct for them"),
-            (self.max_staleness >= 0, f"algorithm.max_staleness={self.max_staleness}: must be >= 0 (0 = synchronous)"),
+            self.at_least("max_staleness", 0, "0 = synchronous"),
             (len(self.filter_band) == 2 and self.filter_band[0] < self.filter_band[1],
              f"algorithm.filter_band={tuple(self.filter_band)}: needs (low, high) with low < high "
              f"(e.g. (0.0, 1.0) drops all-wrong and all-right groups of 0/1 rewards)"),
-            (self.max_backfill_prompts >= 0,
-             f"algorithm.max_backfill_prompts={self.max_backfill_prompts}: must be >= 0 (0 never backfills)"),
+            self.at_least("max_backfill_prompts", 0, "0 never backfills"),
             (self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
              f"algorithm.router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0 (0 = off), or None for the "
              f"model config's router_aux_loss_coef"),
-            (self.overlong_penalty_factor >= 0,
-             f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor}: must be >= 0"),
-            (self.kl_clamp >= 0, f"algorithm.kl_clamp={self.kl_clamp}: must be >= 0 (0 = uncapped)"),
+            self.at_least("overlong_penalty_factor", 0),
+            self.at_least("kl_clamp", 0, "0 = uncapped"),
         )
 
 
@@ -590,9 +586,8 @@ class SFTConfig(ConfigSection):
     def check(self) -> list[str]:
         """Ranges only: molt.sft checks that its files exist when it runs."""
         return failing(
-            (self.num_steps >= 0,
-             f"sft.num_steps={self.num_steps}: must be >= 0 (0 = sft.epochs passes over the rows)"),
-            (self.epochs >= 1, f"sft.epochs={self.epochs}: need at least 1"),
+            self.at_least("num_steps", 0, "0 = sft.epochs passes over the rows"),
+            self.at_least("epochs", 1),
             (self.batch_size >= 1, f"sft.batch_size={self.batch_size}: need at least 1 row a step"),
         )
 
@@ -618,11 +613,10 @@ class RefitConfig(ConfigSection):
 
     def check(self) -> list[str]:
         return failing(
-            (self.bucket_megabytes > 0, f"refit.bucket_megabytes={self.bucket_megabytes}: must be > 0"),
-            (self.timeout_seconds > 0, f"refit.timeout_seconds={self.timeout_seconds}: must be > 0"),
-            (self.check_every_steps >= 0,
-             f"refit.check_every_steps={self.check_every_steps}: must be >= 0 (0 = never)"),
-            (self.max_attempts >= 1, f"refit.max_attempts={self.max_attempts}: must be >= 1"),
+            self.above("bucket_megabytes", 0),
+            self.above("timeout_seconds", 0),
+            self.at_least("check_every_steps", 0, "0 = never"),
+            self.at_least("max_attempts", 1),
         )
 
 
@@ -641,8 +635,8 @@ class CheckpointConfig(ConfigSection):
 
     def check(self) -> list[str]:
         return failing(
-            (self.interval_steps >= 0, f"checkpoint.interval_steps={self.interval_steps}: must be >= 0 (0 = never)"),
-            (self.keep_last >= 1, f"checkpoint.keep_last={self.keep_last}: must be >= 1"),
+            self.at_least("interval_steps", 0, "0 = never"),
+            self.at_least("keep_last", 1),
             (self.resume in ("", "auto") or os.path.isdir(self.resume),
              f"checkpoint.resume={self.resume!r}: '' | 'auto' | an existing step_<N> checkpoint directory"),
         )
@@ -668,12 +662,9 @@ class PayloadConfig(ConfigSection):
 
     def check(self) -> list[str]:
         return failing(
-            (self.budget_megabytes >= 0,
-             f"payloads.budget_megabytes={self.budget_megabytes}: must be >= 0 (0 spills every payload)"),
-            (self.fetch_timeout_seconds > 0,
-             f"payloads.fetch_timeout_seconds={self.fetch_timeout_seconds}: must be > 0"),
-            (self.inline_bytes >= 0,
-             f"payloads.inline_bytes={self.inline_bytes}: must be >= 0 (0 sends every payload through the store)"),
+            self.at_least("budget_megabytes", 0, "0 spills every payload"),
+            self.above("fetch_timeout_seconds", 0),
+            self.at_least("inline_bytes", 0, "0 sends every payload through the store"),
             (not self.node_id or bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.node_id)),
              f"payloads.node_id={self.node_id!r}: 1-64 characters of letters, digits, '_', '.', '-'"),
         )
@@ -708,14 +699,13 @@ class EvalConfig(ConfigSection):
         """Ranges only; validate_config checks the eval file when training will evaluate (python -m
         molt.eval checks the file it is given itself)."""
         return failing(
-            (self.every_steps >= 0, f"eval.every_steps={self.every_steps}: must be >= 0 (0 = off)"),
-            (self.n_samples >= 1, f"eval.n_samples={self.n_samples}: need at least 1 (the k of avg@k)"),
-            (self.temperature > 0, f"eval.temperature={self.temperature}: must be > 0"),
+            self.at_least("every_steps", 0, "0 = off"),
+            self.at_least("n_samples", 1, "the k of avg@k"),
+            self.above("temperature", 0),
             (0 < self.top_p <= 1, f"eval.top_p={self.top_p}: must be in (0, 1]"),
-            (self.max_response_tokens >= 0,
-             f"eval.max_response_tokens={self.max_response_tokens}: must be >= 0 (0 = rollout.max_response_tokens)"),
-            (self.max_prompts >= 0, f"eval.max_prompts={self.max_prompts}: must be >= 0 (0 = all)"),
-            (self.holdout_rows >= 0, f"eval.holdout_rows={self.holdout_rows}: must be >= 0"),
+            self.at_least("max_response_tokens", 0, "0 = rollout.max_response_tokens"),
+            self.at_least("max_prompts", 0, "0 = all"),
+            self.at_least("holdout_rows", 0),
             (not (self.data_path and self.holdout_rows),
              f"eval.data_path={self.data_path!r} and eval.holdout_rows={self.holdout_rows} both name the "
              f"eval set: set one (holdout_rows splits data.train_path; leave data_path '')"),
@@ -775,8 +765,8 @@ class MoltConfig(ConfigSection):
     def check(self) -> list[str]:
         """Every section's own range errors, and the run's own fields'."""
         sections = [value for value in vars(self).values() if isinstance(value, ConfigSection)]
-        return failing((self.seed >= 0, f"seed={self.seed}: must be >= 0 (the engines' samplers take unsigned "
-                                        f"seeds)")) + [error for section in sections for error in section.check()]
+        own = failing(self.at_least("seed", 0, "the engines' samplers take unsigned seeds"))
+        return own + [error for section in sections for error in section.check()]
 
 def activation_checkpointing_error(spec: str) -> str:
     return (f"train.activation_checkpointing={spec!r}: use none, full or every_n:<k> with k >= 1 "

@@ -20,12 +20,7 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
     errors = field_type_errors(cfg)
     if errors:  # the range checks below compare values and would fail on a value of the wrong type
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    errors = cfg.check() + cross_section_errors(cfg) + missing_file_errors(cfg, require_files)
-    if world_size is not None and cfg.world_size != world_size:
-        layout = cfg.layout
-        errors.append(f"layout.num_trainer_ranks + layout.num_rollout_ranks = {layout.num_trainer_ranks} + "
-                      f"{layout.num_rollout_ranks} = {cfg.world_size}, but the job has {world_size} ranks; "
-                      f"set the split to add up to {world_size} or launch with --nproc_per_node={cfg.world_size}")
+    errors = cfg.check() + cross_section_errors(cfg, world_size) + missing_file_errors(cfg, require_files)
     if cfg.device != "auto":  # with auto, molt.train checks once it knows where the trainer computes
         try:
             check_device_options(cfg, cfg.device)
@@ -54,17 +49,37 @@ def missing_file_errors(cfg: MoltConfig, require_files: bool) -> list[str]:
     )
 
 
-def cross_section_errors(cfg: MoltConfig) -> list[str]:
-    """The rules that tie one section's fields to another's."""
+def cross_section_errors(cfg: MoltConfig, world_size: int | None = None) -> list[str]:
+    """The rules that tie one section's fields to another's, or to the job's `world_size` (if given)."""
     layout, rollout, train, algo = cfg.layout, cfg.rollout, cfg.train, cfg.algorithm
     rollouts_per_step = rollout.prompts_per_step * rollout.n_samples_per_prompt
     return failing(
+        (world_size is None or cfg.world_size == world_size,
+         f"layout.num_trainer_ranks + layout.num_rollout_ranks = {layout.num_trainer_ranks} + "
+         f"{layout.num_rollout_ranks} = {cfg.world_size}, but the job has {world_size} ranks; "
+         f"set the split to add up to {world_size} or launch with --nproc_per_node={cfg.world_size}"),
         (cfg.device != "cpu" or layout.trainer_context_parallel_size == 1,
          f"layout.trainer_context_parallel_size={layout.trainer_context_parallel_size} with device='cpu': context "
          f"parallelism splits attention with PyTorch's CUDA kernels; it is a GPU layout (set 1 on CPU)"),
         (cfg.device != "cpu" or cfg.refit.backend != "nccl",
          "refit.backend='nccl' with device='cpu': NCCL moves GPU memory; CPU runs refit over gloo (set auto or gloo)"),
-        *colocate_rules(cfg),
+        # torchrun and srun give each node a contiguous block of ranks, and trainers come first, so a
+        # node's engines (ranks T..) would land on other nodes than its trainers (ranks 0..T-1).
+        (not layout.colocate or cfg.device == "cpu" or layout.num_trainer_ranks <= layout.gpus_per_node,
+         f"layout.colocate=True runs on one node: layout.num_trainer_ranks={layout.num_trainer_ranks} is more "
+         f"than layout.gpus_per_node={layout.gpus_per_node}; use the disaggregated layout "
+         f"(layout.colocate=False) across nodes"),
+        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected", init.cc).
+        (not layout.colocate or cfg.refit.backend != "nccl",
+         "refit.backend='nccl' with layout.colocate=True: the trainer's sender and the engine share a GPU and "
+         "NCCL refuses a duplicate GPU in one communicator; set refit.backend=auto (gloo host staging)"),
+        (not rollout.sleep_while_training or layout.colocate,
+         "rollout.sleep_while_training=True frees an engine's GPU memory for the trainer rank on the same GPU, "
+         "which only layout.colocate=True gives it: set layout.colocate=True or sleep_while_training=False"),
+        (not rollout.sleep_while_training or algo.max_staleness == 0,
+         f"rollout.sleep_while_training=True stops generation while the trainer steps, but "
+         f"algorithm.max_staleness={algo.max_staleness} streams rollouts during the step: set "
+         f"algorithm.max_staleness=0 (synchronous)"),
         (algo.advantage_estimator not in GROUP_ESTIMATORS or rollout.n_samples_per_prompt > 1,
          f"algorithm.advantage_estimator={algo.advantage_estimator!r} needs rollout.n_samples_per_prompt > 1 "
          f"(got {rollout.n_samples_per_prompt}): its baseline is the rest of the prompt's group"),
@@ -91,30 +106,6 @@ def cross_section_errors(cfg: MoltConfig) -> list[str]:
          f"eval.max_response_tokens={cfg.eval.max_response_tokens} must be below "
          f"rollout.max_length={rollout.max_length}"),
     )
-
-
-def colocate_rules(cfg: MoltConfig) -> list[tuple[bool, str]]:
-    """layout.colocate and rollout.sleep_while_training against the device, refit and algorithm."""
-    layout, rollout = cfg.layout, cfg.rollout
-    return [
-        # torchrun and srun give each node a contiguous block of ranks, and trainers come first, so a
-        # node's engines (ranks T..) would land on other nodes than its trainers (ranks 0..T-1).
-        (not layout.colocate or cfg.device == "cpu" or layout.num_trainer_ranks <= layout.gpus_per_node,
-         f"layout.colocate=True runs on one node: layout.num_trainer_ranks={layout.num_trainer_ranks} is more "
-         f"than layout.gpus_per_node={layout.gpus_per_node}; use the disaggregated layout "
-         f"(layout.colocate=False) across nodes"),
-        # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected", init.cc).
-        (not layout.colocate or cfg.refit.backend != "nccl",
-         "refit.backend='nccl' with layout.colocate=True: the trainer's sender and the engine share a GPU and "
-         "NCCL refuses a duplicate GPU in one communicator; set refit.backend=auto (gloo host staging)"),
-        (not rollout.sleep_while_training or layout.colocate,
-         "rollout.sleep_while_training=True frees an engine's GPU memory for the trainer rank on the same GPU, "
-         "which only layout.colocate=True gives it: set layout.colocate=True or sleep_while_training=False"),
-        (not rollout.sleep_while_training or cfg.algorithm.max_staleness == 0,
-         f"rollout.sleep_while_training=True stops generation while the trainer steps, but "
-         f"algorithm.max_staleness={cfg.algorithm.max_staleness} streams rollouts during the step: set "
-         f"algorithm.max_staleness=0 (synchronous)"),
-    ]
 
 
 def check_device_options(cfg: MoltConfig, device_type: str) -> None:
