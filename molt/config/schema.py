@@ -20,8 +20,6 @@ from molt.config.engine_args import engine_args_errors
 
 EngineDtype = Literal["float32", "bfloat16", "float16"]  # what vLLM serves
 Dtype = Literal[EngineDtype, "float64"]  # what the trainer may store and compute in
-# train.activation_checkpointing: none | full | every_n:<k>, k >= 1
-ACTIVATION_CHECKPOINTING = re.compile(r"none|full|every_n:0*[1-9]\d*")
 
 
 class ConfigError(ValueError):
@@ -335,6 +333,24 @@ class RolloutConfig(ConfigSection):
             raise ConfigError("layout.colocate=True on GPUs needs rollout.engine_memory_fraction (the engine's share "
                               "of the GPU it shares with a trainer rank), e.g. 0.4")
         return {"kv_cache_memory_bytes": int(DEFAULT_KV_CACHE_GIGABYTES * 2**30)}
+
+
+# train.activation_checkpointing: none | full | every_n:<k>, k >= 1
+ACTIVATION_CHECKPOINTING = re.compile(r"none|full|every_n:0*[1-9]\d*")
+
+
+def activation_checkpointing_error(spec: str) -> str:
+    return (f"train.activation_checkpointing={spec!r}: use none, full or every_n:<k> with k >= 1 "
+            f"(e.g. every_n:2 checkpoints blocks 0, 2, 4, ...)")
+
+
+def parse_activation_checkpointing(spec: str) -> int:
+    """train.activation_checkpointing as a block stride: 0 = none, 1 = every block, k = every k-th."""
+    if ACTIVATION_CHECKPOINTING.fullmatch(spec) is None:
+        raise ConfigError(activation_checkpointing_error(spec))
+    if spec in ("none", "full"):
+        return int(spec == "full")
+    return int(spec.removeprefix("every_n:"))
 
 
 @dataclass(kw_only=True)
@@ -767,16 +783,3 @@ class MoltConfig(ConfigSection):
         sections = [value for value in vars(self).values() if isinstance(value, ConfigSection)]
         own = failing(self.at_least("seed", 0, "the engines' samplers take unsigned seeds"))
         return own + [error for section in sections for error in section.check()]
-
-def activation_checkpointing_error(spec: str) -> str:
-    return (f"train.activation_checkpointing={spec!r}: use none, full or every_n:<k> with k >= 1 "
-            f"(e.g. every_n:2 checkpoints blocks 0, 2, 4, ...)")
-
-
-def parse_activation_checkpointing(spec: str) -> int:
-    """train.activation_checkpointing as a block stride: 0 = none, 1 = every block, k = every k-th."""
-    if ACTIVATION_CHECKPOINTING.fullmatch(spec) is None:
-        raise ConfigError(activation_checkpointing_error(spec))
-    if spec in ("none", "full"):
-        return int(spec == "full")
-    return int(spec.removeprefix("every_n:"))
