@@ -17,8 +17,8 @@ def word_errors(key: str, value, hint) -> list[str]:
     """The Literal rule: `value` (or each item of a tuple of words) is one of the words `hint` allows."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Literal and value not in args:
-        words = ", ".join(str(word) if word != "" else "''" for word in args)
-        return [f"{key}={value!r}: use one of {words}; did you mean {closest(str(value), list(args), 0)!r}?"]
+        words, close = ", ".join(str(word) or "''" for word in args), closest(str(value), list(args), cutoff=0)
+        return [f"{key}={value!r}: use one of {words}; did you mean {close!r}?"]
     if origin is tuple and isinstance(value, tuple):
         hints = [args[0]] * len(value) if args[-1:] == (Ellipsis,) else args
         return [error for index, (item, item_hint) in enumerate(zip(value, hints))
