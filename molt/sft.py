@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, check_sft_options,
-                         check_trainer_mesh, check_trainer_options, field_type_errors, load_config)
+from molt.config import ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, field_type_errors, load_config
 from molt.distributed.devices import resolve_device, trainer_device_type
 from molt.distributed.slurm import map_slurm_environment
 from molt.metrics import configure_logging
@@ -306,11 +305,8 @@ def validate_sft_config(cfg: MoltConfig, world_size: int) -> None:
         if not ok:
             errors.append(message)
 
-    check(cfg.device in ("auto", "cpu", "cuda"), f"device={cfg.device!r}: use auto, cpu or cuda")
     check(bool(cfg.model.path) and Path(cfg.model.path, "config.json").is_file(),
           f"model.path={cfg.model.path!r} has no config.json: point it at the Hugging Face model directory to train")
-    check(cfg.model.dtype in ("float32", "bfloat16", "float16"),
-          f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16")
     check(bool(cfg.sft.data_path) and Path(cfg.sft.data_path).is_file(),
           f"sft.data_path={cfg.sft.data_path!r} is not a file: point it at .jsonl or .parquet chat rows")
     check(cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0")
@@ -318,16 +314,10 @@ def validate_sft_config(cfg: MoltConfig, world_size: int) -> None:
           f"layout.trainer_context_parallel_size={cfg.layout.trainer_context_parallel_size}: molt.sft does not "
           f"shard sequences; set 1")
     # Every process of a SFT job trains.
-    check_trainer_mesh(dataclasses.replace(cfg.layout, num_trainer_ranks=world_size), check)
-    check_trainer_options(cfg.train, cfg.rollout, check)
-    check_sft_options(cfg.sft, check)
+    errors += dataclasses.replace(cfg.layout, num_trainer_ranks=world_size).trainer_mesh_errors()
+    errors += cfg.train.check() + cfg.sft.check() + cfg.checkpoint.check()
     check(cfg.sft.num_steps == 0 or cfg.train.warmup_steps <= cfg.sft.num_steps,
           f"train.warmup_steps={cfg.train.warmup_steps}: must be at most sft.num_steps={cfg.sft.num_steps}")
-    check(cfg.checkpoint.interval_steps >= 0,
-          f"checkpoint.interval_steps={cfg.checkpoint.interval_steps}: must be >= 0 (0 = never)")
-    check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 1")
-    check(cfg.checkpoint.resume in ("", "auto") or os.path.isdir(cfg.checkpoint.resume),
-          f"checkpoint.resume={cfg.checkpoint.resume!r}: '' | 'auto' | an existing step_<N> checkpoint directory")
     check(cfg.algorithm.router_aux_loss_coef is None or cfg.algorithm.router_aux_loss_coef >= 0,
           f"algorithm.router_aux_loss_coef={cfg.algorithm.router_aux_loss_coef}: must be >= 0 (0 = off), or None "
           f"for the model config's router_aux_loss_coef")

@@ -13,8 +13,9 @@ MOLT = Path(__file__).resolve().parent.parent / "molt"
 
 # The ways in: they assemble the rooms into a job, so they may import any room, and no room imports them.
 WAYS_IN = {"train", "sft", "eval", "dry_run"}
-# Leaves at the top that every room may use: they import nothing of Molt.
-LEAVES = {"metrics", "console"}
+# Leaves at the top that every room may use: they import nothing of Molt. `choices` holds the word sets
+# that config and objectives both name (lower floors that may not import each other).
+LEAVES = {"metrics", "console", "choices"}
 # Which other rooms each room may import (besides the leaves). Lower floors first.
 WALLS = {
     "objectives": set(),

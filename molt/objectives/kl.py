@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from molt.choices import KLEstimator
 from molt.objectives.policy_loss import MAX_ABS_LOG_RATIO
-
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 def compute_kl_estimate(

@@ -10,19 +10,18 @@ split, and the statistics are masked sums that add across micro-batches and rank
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import get_args
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from molt.choices import ImportanceLevel, ImportanceMode, LossAggregation
+
 # exp(20) ~ 5e8: far past any clip range, still finite in bf16/fp32 when multiplied by an advantage.
 MAX_ABS_LOG_RATIO = 20.0
 
-ImportanceLevel = Literal["token", "seq", "geo"]
-ImportanceMode = Literal["mask", "clip", "trunc"]
-LossAggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
+LOSS_AGGREGATIONS = get_args(LossAggregation)
 
 
 def aggregate_tokens(values: Tensor, action_mask: Tensor, *, denominator: float | Tensor) -> Tensor:
@@ -335,9 +334,9 @@ def _deciding_log_ratio(log_ratio: Tensor, mask: Tensor, level: ImportanceLevel)
 
 def check_importance_options(*, level: str, mode: str, low: float, high: float) -> None:
     """Raise ValueError for an unknown or refused level/mode or an empty band."""
-    if level not in ("token", "seq", "geo"):
+    if level not in get_args(ImportanceLevel):
         raise ValueError(f"importance level must be 'token', 'seq' or 'geo', got {level!r}")
-    if mode not in ("mask", "clip", "trunc"):
+    if mode not in get_args(ImportanceMode):
         raise ValueError(f"importance mode must be 'mask', 'clip' or 'trunc', got {mode!r}")
     if level != "token" and mode != "mask":
         raise ValueError(
