@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", error)
             return 2
     from molt.distributed.placement import PlacementError
-    from molt.trainer.loop import RolloutsFailedError
+    from molt.trainer.feed import RolloutsFailedError
 
     try:
         return run(cfg, rank, world_size, prompt_rows=prompt_rows)
@@ -153,6 +153,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     import torch
     import torch.distributed as dist
 
+    from molt.controller.pool import RolloutController
     from molt.trainer.checkpoint import STOP_REQUEST
     from molt.distributed.parallelize import build_trainer_mesh
     from molt.distributed.placement import check_placement, node_gpu_ids, read_nvml_gpu_count
@@ -201,15 +202,16 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
             router = Router(host)
             # The controller's address and the job's keys: every rank trusts this store for rendezvous.
             store.set(CONTROLLER_KEY, router.address.to_bytes())
+            # Rank 0's roles: the rollout controller, which its batch feed and refit coordinator drive.
+            controller = RolloutController(cfg, router, rollout_ranks, prompt_rows=prompt_rows)
             Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
-                    controller_address=router.address, router=router, rollout_ranks=rollout_ranks,
-                    prompt_rows=prompt_rows).train()
+                    controller_address=router.address, controller=controller).train()
             logger.info("done; metrics in %s", os.path.join(cfg.output_dir, "metrics.jsonl"))
         else:
             address = ControllerAddress.from_bytes(store.get(CONTROLLER_KEY))
             if is_trainer:
                 Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
-                        controller_address=address, router=None, rollout_ranks=rollout_ranks).train()
+                        controller_address=address).train()
             else:
                 run_rollout_rank(cfg, rank, address, host)
     finally:

@@ -264,7 +264,7 @@ def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_deliv
     controller = RolloutController(cfg, router, rollout_ranks=ranks)
     try:
         controller.expect("ready", len(ranks), 60, "start")
-        for version in range(1, num_refits + 1):  # the controller's side of Trainer.attempt_refit
+        for version in range(1, num_refits + 1):  # the controller's side of RefitCoordinator.attempt
             before = (router.messages_sent, router.bytes_sent, router.messages_received)
             controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
             deadline = time.monotonic() + cfg.refit.timeout_seconds
@@ -430,11 +430,9 @@ def _rollout_rank_joining(address, rank: int, behaviour: str) -> None:
                              r"refit.timeout_seconds=2; the trainer's sender: not every engine worker joined")])
 def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, behaviour, error, match):
     """After an engine died mid-broadcast, the trainer rebuilds the group for its retry; that engine
-    cannot join. The job stops within the refit timeout with an error naming it (Trainer.open_refit_group
+    cannot join. The job stops within the refit timeout with an error naming it (RefitCoordinator.open_group
     on a real controller socket, a real gloo rendezvous and one real joining worker)."""
-    from types import SimpleNamespace
-
-    from molt.trainer.loop import Trainer
+    from molt.refit.coordinator import RefitCoordinator
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = MoltConfig()
@@ -448,13 +446,12 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
     controller = RolloutController(cfg, router, rollout_ranks=list(ranks))
     sender = RefitSender(_tiny_model(), is_sender=True, bucket_bytes=16 << 10,
                          timeout_seconds=cfg.refit.timeout_seconds)
-    trainer = SimpleNamespace(cfg=cfg, refit=sender, router=router, controller=controller, host="127.0.0.1",
-                              rollout_ranks=list(ranks))
+    coordinator = RefitCoordinator(cfg, sender, controller, host="127.0.0.1", group=None, device=torch.device("cpu"))
     try:
         controller.expect("ready", len(ranks), 60, "start")
         started = time.monotonic()
         with pytest.raises(Exception, match=match) as raised:
-            Trainer.open_refit_group(trainer)
+            coordinator.open_group()
         assert type(raised.value).__name__ == error
         assert time.monotonic() - started < cfg.refit.timeout_seconds + SLACK_SECONDS
     finally:
@@ -571,19 +568,17 @@ def _serve_rollout_ranks(services: list, loop: asyncio.AbstractEventLoop, stop: 
 
 
 class ProtocolJob:
-    """A controller (the real Trainer refit methods over a real Router and RolloutController, one
+    """A controller (the real RefitCoordinator over a real Router and RolloutController, one
     trainer rank, the real gloo RefitSender) and rollout ranks (real RolloutService and RolloutEngine)
     whose engines are ProtocolLLMs."""
 
     def __init__(self, tmp_path, engines: list[ProtocolLLM], timeout_seconds: float, max_attempts: int):
-        import types
-
         import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (the receive's import: seconds)
 
         from molt.rollout.engine import RolloutEngine
         from molt.refit.gloo import GlooEngineSync
         from molt.rollout.rank import RolloutService
-        from molt.trainer.loop import Trainer
+        from molt.refit.coordinator import RefitCoordinator
 
         (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
         cfg = MoltConfig()
@@ -606,13 +601,10 @@ class ProtocolJob:
         self.controller = RolloutController(cfg, self.router, rollout_ranks=ranks)
         self.model = _tiny_model()
         sender = RefitSender(self.model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=timeout_seconds)
-        self.trainer = types.SimpleNamespace(cfg=cfg, refit=sender, router=self.router, controller=self.controller,
-                                             host="127.0.0.1", rollout_ranks=ranks, is_controller=True,
-                                             num_trainer_ranks=1, policy_version=0, refit_failures=0)
-        for method in ("open_refit_group", "push_weights", "attempt_refit", "agree_with_controller"):
-            setattr(self.trainer, method, types.MethodType(getattr(Trainer, method), self.trainer))
+        self.coordinator = RefitCoordinator(cfg, sender, self.controller, host="127.0.0.1", group=None,
+                                            device=torch.device("cpu"))
         self.controller.expect("ready", len(ranks), 60, "start")
-        self.trainer.open_refit_group()
+        self.coordinator.open_group()
 
     def close(self) -> None:
         self.stop.set()
@@ -641,11 +633,11 @@ def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_
     job = ProtocolJob(tmp_path, engines, timeout_seconds=timeout, max_attempts=2)
     try:
         started = time.monotonic()
-        job.trainer.push_weights(version=1)
+        job.coordinator.push(version=1)  # returns once every engine loaded version 1
         seconds = time.monotonic() - started
     finally:
         job.close()
-    assert job.trainer.policy_version == 1 and job.trainer.refit_failures == 1
+    assert job.coordinator.failures == 1
     assert seconds < 2 * timeout + SLACK_SECONDS
     slow = engines[2]
     slow_paused_at = _times(slow, "paused")[0]
@@ -680,12 +672,12 @@ def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine
     try:
         started = time.monotonic()
         with pytest.raises((RefitError, RolloutRankError), match="rollout-2|rollout rank 2"):
-            job.trainer.push_weights(version=1)
+            job.coordinator.push(version=1)
         seconds = time.monotonic() - started
     finally:
         job.close()
     assert seconds < 3 * timeout + SLACK_SECONDS
-    assert job.trainer.refit_failures >= 1
+    assert job.coordinator.failures >= 1
     survivor = engines[0]
     names = [name for _, name in survivor.log]
     assert names.count("molt_receive_weights") == 1  # one go: no receive after the failed attempt

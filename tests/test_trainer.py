@@ -1,10 +1,10 @@
-"""The trainer's per-step metrics (the loop itself runs in tests/test_train_e2e.py)."""
+"""The per-step rollout metrics rank 0's feed logs (StepRollouts.metrics; the loop itself runs in
+tests/test_train_e2e.py)."""
 
 from collections import Counter
 
 from molt.controller.pool import StepRollouts
 from molt.trace.experience import Experience
-from molt.trainer.loop import _rollout_metrics
 
 
 def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():
@@ -14,16 +14,16 @@ def test_rollout_metrics_count_filtered_groups_by_reason_and_backfill_prompts():
     rollouts = StepRollouts(groups=[experiences], num_rollouts=10,
                             filtered_groups=Counter(all_high=3, all_low=1), backfill_prompts=4,
                             scored_rewards=[0.0, 1.0] + [1.0] * 6 + [0.0] * 2)
-    metrics = _rollout_metrics(rollouts, experiences)
+    metrics = rollouts.metrics(experiences)
     # reward/mean is the trained groups'; reward/scored_mean counts the filtered groups' rollouts too.
     assert (metrics["reward/mean"], metrics["reward/scored_mean"]) == (0.5, 0.7)
     assert (metrics["rollout/filtered_all_high"], metrics["rollout/filtered_all_low"]) == (3.0, 1.0)
     assert metrics["rollout/backfill_prompts"] == 4.0
-    quiet = _rollout_metrics(StepRollouts(groups=[experiences], num_rollouts=2), experiences)
+    quiet = StepRollouts(groups=[experiences], num_rollouts=2).metrics(experiences)
     assert quiet["rollout/backfill_prompts"] == 0.0 and not any(k.startswith("rollout/filtered_") for k in quiet)
 
 
 def test_rollout_metrics_carry_the_largest_event_loop_lag_of_the_step():
     rollouts = StepRollouts(groups=[], num_rollouts=0, loop_lag_max_seconds=1.5)
     rollouts.merge(StepRollouts(groups=[], loop_lag_max_seconds=0.25))  # a backfill round lagged less
-    assert _rollout_metrics(rollouts, [])["rollout/loop_lag_max_seconds"] == 1.5
+    assert rollouts.metrics([])["rollout/loop_lag_max_seconds"] == 1.5

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import statistics
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
@@ -37,7 +39,8 @@ from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig, engine_start_limit_seconds
 from molt.console import HEARTBEAT_SECONDS, Heartbeat
 from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
-from molt.controller.evaluation import EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, split_eval_rows
+from molt.controller.evaluation import (EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, eval_due,
+                                        split_eval_rows)
 from molt.controller.prompts import PromptRow, build_prompt_loader, load_prompt_rows
 from molt.refit.weight_sync import RefitError
 from molt.trace.experience import Experience
@@ -114,6 +117,43 @@ class StepRollouts:
         self.scored_rewards += later.scored_rewards
         self.trained_prompts += later.trained_prompts
         self.dropped_prompts += later.dropped_prompts
+
+    def metrics(self, experiences: list[Experience]) -> dict[str, float]:
+        """The step's rollout metrics; `experiences`: those trained on (the groups', or none)."""
+        rewards = {e.rollout_id: e.reward for e in experiences}
+        response_lengths = [e.num_action_tokens for e in experiences]
+        metrics = {
+            "reward/mean": statistics.fmean(rewards.values()) if rewards else math.nan,
+            # With algorithm.filter_groups (or staleness drops), reward/mean covers the trained groups only.
+            "reward/scored_mean": statistics.fmean(self.scored_rewards) if self.scored_rewards else math.nan,
+            "rollout/num_rollouts": float(self.num_rollouts),
+            "rollout/num_groups": float(len(self.groups)),
+            "rollout/dropped_groups": float(self.dropped_groups),
+            "rollout/refilled": float(self.refilled_rollouts),
+            "rollout/failed": float(sum(self.failures.values())),
+            "rollout/tokens": float(sum(e.num_tokens for e in experiences)),
+            "rollout/response_length_mean": statistics.fmean(response_lengths) if response_lengths else math.nan,
+            "rollout/truncated_share": statistics.fmean(e.truncated for e in experiences) if experiences else math.nan,
+            # The images stay in the rollout ranks' payload stores; the records say how many and how big.
+            "rollout/images": float(sum(e.num_images for e in experiences)),
+            "rollout/image_bytes": float(sum(e.image_bytes for e in experiences)),
+        }
+        metrics.update({f"rollout/failed_{reason}": float(n) for reason, n in self.failures.items()})
+        metrics.update({f"rollout/filtered_{reason}": float(n) for reason, n in self.filtered_groups.items()})
+        metrics["rollout/backfill_prompts"] = float(self.backfill_prompts)
+        metrics["rollout/stale_groups"] = float(self.stale_groups)
+        metrics.update(compute_staleness(self.groups, self.trained_version))
+        metrics.update({"rollout/consumed": float(self.consumed_rollouts), **self.accounting})
+        metrics["rollout/loop_lag_max_seconds"] = self.loop_lag_max_seconds
+        metrics.update({key: float(value) for key, value in self.rank_metrics.items()})
+        metrics.update({f"drift/{reason}": float(n) for reason, n in self.ledger.items()})
+        metrics["rollout/segments_per_rollout"] = len(experiences) / len(rewards) if rewards else math.nan
+        infos: dict[str, list[float]] = {}
+        for e in experiences:
+            for key, value in e.info.items():
+                infos.setdefault(key, []).append(value)
+        metrics.update({f"agent/{k}": statistics.fmean(v) for k, v in infos.items()})
+        return metrics
 
 
 @dataclass
@@ -192,6 +232,7 @@ class RolloutController:
         self._started: dict[int, tuple[float, int]] = {}  # rollout id -> (monotonic dispatch time, rollout rank)
         self._eval: EvalRun | None = None  # the evaluation in flight, if any
         self._next_eval_id = -1  # eval rollouts and groups count down from -1, apart from training's ids
+        self.failed_steps = FailedStepStreak(cfg.agent.max_failed_steps)  # the trainer's feed records each step
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -387,6 +428,17 @@ class RolloutController:
 
     # -- evaluation ------------------------------------------------------------------------
 
+    def evaluate_if_due(self, step: int, policy_version: int) -> dict[str, float]:
+        """The eval/* metrics of the policy after `step` steps when eval.every_steps makes it due, else {}."""
+        if not eval_due(step, self.cfg.eval):
+            return {}
+        metrics, _ = self.run_eval(step, policy_version)
+        k = self.cfg.eval.n_samples
+        logger.info("eval of step %d (policy version %d): avg@%d %.3f, pass@%d %.3f over %d prompts in %.1f s",
+                    step, policy_version, k, metrics[f"eval/avg@{k}"], k, metrics[f"eval/pass@{k}"],
+                    metrics["eval/num_prompts"], metrics["eval/seconds"])
+        return metrics
+
     def run_eval(self, step: int, policy_version: int) -> tuple[dict[str, float], list[EvalSample]]:
         """Evaluate the policy the engines serve (trained for `step` steps) on the eval set: dispatch
         eval.n_samples rollouts of each eval prompt with the eval sampling settings and wait for all.
@@ -571,6 +623,16 @@ class RolloutController:
         self.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})
         replies = self.expect("scored", len(self.rollout_ranks), timeout_seconds, "refit check")
         return [r["logprobs"] for r in replies]
+
+    def traffic_metrics(self) -> dict[str, float]:
+        """What passed through the controller's socket so far: references and control only."""
+        return {"controller/bytes_received_total": float(self.router.bytes_received),
+                "controller/bytes_sent_total": float(self.router.bytes_sent),
+                "controller/token_values_received_total": float(self.token_values_received)}
+
+    def close(self) -> None:
+        """At the end of the job: stop the rollout ranks and wait for them (see shutdown)."""
+        self.shutdown(wait_seconds=ROLLOUT_RANK_STOP_SECONDS)
 
     def shutdown(self, wait_seconds: float = 0.0) -> None:
         """Tell the rollout ranks to stop; with `wait_seconds`, wait that long for each to say it has

@@ -26,7 +26,7 @@ class TrainerGroupTimeout:
     refit's gathers) while rank 0 waits for their hellos (120 s) and every engine
     (rollout.engine_start_timeout_seconds), then builds the refit group (in refit_seconds)."""
     refit_seconds: float
-    """Ranks 1.. wait in the refit's gathers and in agree_with_controller while rank 0 sends to and
+    """Ranks 1.. wait in the refit's gathers and in RefitFollower.agree while rank 0 sends to and
     waits for the engines: refit.max_attempts attempts of refit.timeout_seconds, a refit-group build
     before each (its rendezvous and the engines' join confirmations, refit.timeout_seconds each), and
     the refit check's scoring on the engines (refit.timeout_seconds, when refit.check_every_steps)."""

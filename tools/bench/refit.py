@@ -10,8 +10,8 @@ spawned processes form a gloo world of 2 trainer ranks; for each layout they bui
 `build_trainer_mesh` + `build_actor_model`, as `Trainer.__init__` does. The refit group is the real
 one: the sender (refit rank 0) on trainer rank 0, the engine's workers refit ranks 1 and 2.
 
-What runs unchanged: `Trainer.open_refit_group`, `push_weights`, `attempt_refit` and
-`agree_with_controller` (in `RefitTrainer`, a Trainer with only its refit parts built); the
+What runs unchanged: the trainer ranks' refit roles, `RefitCoordinator` on rank 0 (timed by
+`TimedCoordinator`) and `RefitFollower` on rank 1 (molt.refit.coordinator), as `Trainer` builds them; the
 controller's refit waits (`RolloutController.expect`, `await_paused`, `finish_refit`) over its ZeroMQ
 `Router`; and on the engine side the rollout rank's message handlers `RolloutService.join_refit`,
 `refit`, `decide_refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused'
@@ -31,7 +31,7 @@ Per layout and bucket size, after one warm-up refit, --refits timed ones; one JS
   (gathers, copy and cast into the bucket buffer, gloo broadcast to both workers; each broadcast
   also waits while the workers load the previous bucket), against raw TCP (target ratio >= 0.5);
   split into the sender's time inside the refit group's broadcasts and the rest (gathers + copy).
-- refit_end_to_end_bytes_per_second: bytes / seconds of `Trainer.attempt_refit` on the controller,
+- refit_end_to_end_bytes_per_second: bytes / seconds of `RefitCoordinator.attempt` on the controller,
   'refit' sent until every 'refit_done' is in (the engine's load returned and it resumed), against
   raw TCP (target ratio >= 0.3); with the wait for 'refit_paused' and the time after the broadcast.
 - refit_engine_reload_seconds: per worker, `molt_receive_weights` minus the time it spent inside
@@ -71,8 +71,8 @@ from molt.config import MoltConfig
 from molt.console import HEARTBEAT_SECONDS
 from molt.controller.pool import RolloutController
 from molt.refit.backends import build_sender
+from molt.refit.coordinator import RefitCoordinator, RefitFollower
 from molt.rollout.worker_extension import WorkerExtension
-from molt.trainer.loop import Trainer
 from molt.transport.wire import Router, unpack
 
 # The engine's workers import this file as module `refit` (TimedRefitReceiver is refit.receiver_cls;
@@ -224,23 +224,16 @@ class RefitController(RolloutController):
         self.heartbeat_seconds = HEARTBEAT_SECONDS
 
 
-class RefitTrainer(Trainer):
-    """A Trainer with only its refit parts built: the sender over `model` and, on rank 0, the
-    controller. Trainer's open_refit_group, push_weights, attempt_refit and agree_with_controller
-    run unchanged; this class times them and wraps the sender's group in a TimedGroup."""
+class TimedCoordinator(RefitCoordinator):
+    """Rank 0's RefitCoordinator, run unchanged and timed: each attempt's stages, with the sender's group
+    wrapped in a TimedGroup."""
 
-    def __init__(self, cfg: MoltConfig, *, rank: int, model: torch.nn.Module, controller: RefitController | None):
-        self.cfg, self.rank, self.is_controller = cfg, rank, rank == 0
-        self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        self.group, self.device, self.host = dist.group.WORLD, torch.device("cpu"), HOST
-        self.controller = controller
-        self.router = controller.router if controller else None
-        self.rollout_ranks = [ROLLOUT_RANK]
-        self.policy_version, self.refit_failures = 0, 0
-        self.refit = build_sender(cfg, model, is_sender=self.is_controller, device=torch.device("cpu"))
-        self.refits: list[dict] = []  # the controller's timings of each attempt
+    def __init__(self, cfg: MoltConfig, model: torch.nn.Module, controller: RefitController):
+        sender = build_sender(cfg, model, is_sender=True, device=torch.device("cpu"))
+        super().__init__(cfg, sender, controller, host=HOST, group=dist.group.WORLD, device=torch.device("cpu"))
+        self.refits: list[dict] = []  # the timings of each attempt
         self.last_broadcast = (0.0, 0.0, 0)  # started, ended, bytes of the latest WeightSender.broadcast
-        send = self.refit.broadcast
+        send = sender.broadcast
 
         def timed_broadcast(**kwargs) -> int:
             started = time.perf_counter()
@@ -248,19 +241,17 @@ class RefitTrainer(Trainer):
             self.last_broadcast = (started, time.perf_counter(), num_bytes)
             return num_bytes
 
-        self.refit.broadcast = timed_broadcast
+        sender.broadcast = timed_broadcast
 
-    def open_refit_group(self) -> None:
-        super().open_refit_group()
-        self.refit.group = TimedGroup(self.refit.group)
+    def open_group(self) -> None:
+        super().open_group()
+        self.sender.group = TimedGroup(self.sender.group)
 
-    def attempt_refit(self, version: int, attempt: int) -> str | None:
-        if not self.is_controller:
-            return super().attempt_refit(version, attempt)
-        group, router = self.refit.group, self.router
+    def attempt(self, version: int, attempt: int) -> str | None:
+        group, router = self.sender.group, self.controller.router
         before = (group.seconds, group.num_broadcasts, router.bytes_sent + router.bytes_received)
         started = time.perf_counter()
-        failure = super().attempt_refit(version, attempt)
+        failure = super().attempt(version, attempt)
         ended = time.perf_counter()
         broadcast_started, broadcast_ended, num_bytes = self.last_broadcast
         self.refits.append({
@@ -270,6 +261,14 @@ class RefitTrainer(Trainer):
             "gloo_seconds": group.seconds - before[0], "collectives": group.num_broadcasts - before[1],
             "control_bytes": router.bytes_sent + router.bytes_received - before[2]})
         return failure
+
+
+def build_refit_role(cfg: MoltConfig, model: torch.nn.Module, controller: RefitController | None):
+    """This trainer rank's refit role, as Trainer builds it: the (timed) coordinator on rank 0."""
+    if controller is not None:
+        return TimedCoordinator(cfg, model, controller)
+    sender = build_sender(cfg, model, is_sender=False, device=torch.device("cpu"))
+    return RefitFollower(cfg, sender, group=dist.group.WORLD, device=torch.device("cpu"))
 
 
 def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Module | None:
@@ -293,25 +292,25 @@ def take_engine_stats(controller: RefitController, timeout_seconds: float) -> di
     return controller.expect("bench_stats", 1, timeout_seconds, "engine statistics")[0]
 
 
-def bench_bucket_size(trainer: RefitTrainer, args, first_version: int) -> dict | None:
+def bench_bucket_size(refit: RefitFollower, args, first_version: int) -> dict | None:
     """One refit group: join, a warm-up refit (first-touch buffers on every side), then the timed
-    refits; the controller returns its timings and the engine's."""
-    if trainer.is_controller:
-        trainer.open_refit_group()
-    trainer.push_weights(first_version)
-    if trainer.is_controller:
-        take_engine_stats(trainer.controller, args.timeout_seconds)  # drops the join and the warm-up
-    trainer.refits.clear()
-    for index in range(args.refits):
-        trainer.push_weights(first_version + 1 + index)
-    if not trainer.is_controller:
+    refits; the coordinator returns its timings and the engine's."""
+    refit.connect()
+    refit.push(first_version)
+    if not isinstance(refit, TimedCoordinator):
+        for index in range(args.refits):
+            refit.push(first_version + 1 + index)
         return None
-    engine = take_engine_stats(trainer.controller, args.timeout_seconds)
-    trainer.controller.send_to_rollout_ranks({"type": "leave_refit"})
-    trainer.controller.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
-    trainer.refit.close_group()
-    return {"refits": trainer.refits, "engine": engine, "buckets": len(trainer.refit.buckets),
-            "params": sum(len(bucket) for bucket in trainer.refit.buckets)}
+    take_engine_stats(refit.controller, args.timeout_seconds)  # drops the join and the warm-up
+    refit.refits.clear()
+    for index in range(args.refits):
+        refit.push(first_version + 1 + index)
+    engine = take_engine_stats(refit.controller, args.timeout_seconds)
+    refit.controller.send_to_rollout_ranks({"type": "leave_refit"})
+    refit.controller.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
+    refit.sender.close_group()
+    return {"refits": refit.refits, "engine": engine, "buckets": len(refit.sender.buckets),
+            "params": sum(len(bucket) for bucket in refit.sender.buckets)}
 
 
 def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> None:
@@ -332,8 +331,7 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
         for bucket_megabytes in args.bucket_megabytes:
             if model is not None:
                 cfg = trainer_config(model_dir, layout, bucket_megabytes, args.timeout_seconds)
-                record = bench_bucket_size(RefitTrainer(cfg, rank=rank, model=model, controller=controller),
-                                           args, version)
+                record = bench_bucket_size(build_refit_role(cfg, model, controller), args, version)
                 if record is not None:
                     results.put({"layout": layout, "bucket_megabytes": bucket_megabytes, **record})
             version += args.refits + 1
