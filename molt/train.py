@@ -159,6 +159,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
     from molt.distributed.placement import check_placement, node_gpu_ids, read_nvml_gpu_count
     from molt.rollout.rank import run_rollout_rank
     from molt.trainer.loop import Trainer
+    from molt.transport.mailbox import Mailbox
     from molt.transport.wire import ControllerAddress, Router
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -203,7 +204,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
             # The controller's address and the job's keys: every rank trusts this store for rendezvous.
             store.set(CONTROLLER_KEY, router.address.to_bytes())
             # Rank 0's roles: the rollout controller, which its batch feed and refit coordinator drive.
-            controller = RolloutController(cfg, router, rollout_ranks, prompt_rows=prompt_rows)
+            controller = RolloutController(cfg, Mailbox(router, rollout_ranks), prompt_rows=prompt_rows)
             Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
                     controller_address=router.address, controller=controller).train()
             logger.info("done; metrics in %s", os.path.join(cfg.output_dir, "metrics.jsonl"))

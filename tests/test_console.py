@@ -17,6 +17,7 @@ from molt.console import Heartbeat, StepProgress, ToolProgress
 from molt.controller.pool import FailedStepStreak, RolloutController, StepRollouts, gather_groups
 from molt.trace.experience import Experience
 from molt.transport.dispatch import encode_outcome
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 ALWAYS_FAILS_AGENT = str(Path(__file__).parent / "agents" / "always_fails.py")
@@ -184,8 +185,8 @@ def test_a_step_waiting_for_rollouts_says_what_it_waits_for(tmp_path, caplog):
     router = Router("127.0.0.1")
     rank = threading.Thread(target=_slow_rollout_rank, args=(router.address, "rollout-1", 1.5), daemon=True)
     rank.start()
-    controller = RolloutController(cfg, router, rollout_ranks=[1])
-    controller.heartbeat_seconds = 0.3
+    controller = RolloutController(cfg, Mailbox(router, [1]))
+    controller.mailbox.heartbeat_seconds = 0.3
     try:
         controller.wait_for_ranks(num_trainer_ranks=1)
         with caplog.at_level(logging.INFO, logger="molt"):

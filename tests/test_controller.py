@@ -15,6 +15,7 @@ from molt.controller.pool import (Accounting, AccountingError, RolloutController
 from molt.rollout.rank import split_by_version
 from molt.trace.experience import Experience
 from molt.transport.dispatch import decode_outcome, encode_outcome
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
@@ -103,7 +104,7 @@ def test_collect_step_refills_or_drops_over_real_sockets(tmp_path, policy, num_g
     router, received = Router("127.0.0.1"), []
     rank = threading.Thread(target=_stand_in_rollout_rank, args=(router.address, "rollout-1", received), daemon=True)
     rank.start()
-    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    controller = RolloutController(cfg, Mailbox(router, [1]))
     try:
         controller.wait_for_ranks(num_trainer_ranks=1)
         result = controller.collect_step(policy_version=7)
@@ -203,7 +204,7 @@ def _run_steps(tmp_path, rows: list[dict], num_steps: int, **algorithm) -> tuple
     router, received = Router("127.0.0.1"), []
     rank = threading.Thread(target=_scored_rollout_rank, args=(router.address, "rollout-1", received), daemon=True)
     rank.start()
-    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    controller = RolloutController(cfg, Mailbox(router, [1]))
     try:
         controller.wait_for_ranks(num_trainer_ranks=1)
         steps = [controller.collect_step(policy_version=step) for step in range(num_steps)]
@@ -308,7 +309,7 @@ def _stream_steps(tmp_path, rows: list[dict], versions: list[int], num_steps: in
     router, received = Router("127.0.0.1"), []
     rank = threading.Thread(target=_versioned_rollout_rank, args=(router.address, "rollout-1", received), daemon=True)
     rank.start()
-    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    controller = RolloutController(cfg, Mailbox(router, [1]))
     steps, seen, dispatched = [], [], []
     send = router.send
     router.send = lambda identity, message: (dispatched.append(message["request"]) if message["type"] == "rollout"

@@ -13,6 +13,7 @@ from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.controller.pool import RolloutController
 from molt.trace.experience import Experience
 from molt.transport.dispatch import encode_outcome
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 RANKS = [1, 2]
@@ -150,7 +151,7 @@ def _run_controller(cfg: MoltConfig, num_steps: int, first_step: int = 0, state:
              for rank in RANKS]
     for thread in ranks:
         thread.start()
-    controller = RolloutController(cfg, router, rollout_ranks=RANKS)
+    controller = RolloutController(cfg, Mailbox(router, RANKS))
     if state is not None:
         controller.load_state_dict(state)
     try:

@@ -17,6 +17,7 @@ from molt.controller.prompts import PromptDataset, PromptRow, load_prompt_rows
 from molt.eval import read_eval_rows, resolve_model_dir
 from molt.trace.experience import Experience
 from molt.transport.dispatch import encode_outcome
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
@@ -151,7 +152,7 @@ def _run_controller(cfg: MoltConfig, eval_at: set[int]) -> tuple[list[dict], lis
     router, received = Router("127.0.0.1"), []
     rank = threading.Thread(target=_stand_in_rank, args=(router.address, received), daemon=True)
     rank.start()
-    controller = RolloutController(cfg, router, rollout_ranks=[1])
+    controller = RolloutController(cfg, Mailbox(router, [1]))
     accounting, evals = [], []
     try:
         controller.wait_for_ranks(num_trainer_ranks=1)

@@ -32,6 +32,7 @@ from molt.controller.pool import RolloutController
 from molt.refit.gloo import RefitSender
 from molt.refit.receiver import RefitReceiver
 from molt.refit.weight_sync import RefitError, RefitSendError
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 TIMEOUT_SECONDS = 5.0  # refit.timeout_seconds of these groups
@@ -261,12 +262,12 @@ def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_deliv
                                 daemon=True) for rank in ranks]
     for thread in threads:
         thread.start()
-    controller = RolloutController(cfg, router, rollout_ranks=ranks)
+    controller = RolloutController(cfg, Mailbox(router, ranks))
     try:
-        controller.expect("ready", len(ranks), 60, "start")
+        controller.mailbox.expect("ready", len(ranks), 60, "start")
         for version in range(1, num_refits + 1):  # the controller's side of RefitCoordinator.attempt
             before = (router.messages_sent, router.bytes_sent, router.messages_received)
-            controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
+            controller.mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
             deadline = time.monotonic() + cfg.refit.timeout_seconds
             assert controller.await_paused(version, 1, deadline) is None
             controller.decide_refit(version, 1, go=True)
@@ -278,7 +279,7 @@ def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_deliv
         with pytest.raises(ConnectionError, match="rollout-3 is not connected to the controller"):
             router.send("rollout-3", {"type": "refit", "version": 9, "attempt": 1})
         assert (router.messages_sent, router.bytes_sent) == before
-        controller.send_to_rollout_ranks({"type": "shutdown"})
+        controller.mailbox.send_to_rollout_ranks({"type": "shutdown"})
         for thread in threads:
             thread.join(60)
     finally:
@@ -443,12 +444,12 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
                for rank, how in ranks.items()]
     for thread in threads:
         thread.start()
-    controller = RolloutController(cfg, router, rollout_ranks=list(ranks))
+    controller = RolloutController(cfg, Mailbox(router, list(ranks)))
     sender = RefitSender(_tiny_model(), is_sender=True, bucket_bytes=16 << 10,
                          timeout_seconds=cfg.refit.timeout_seconds)
     coordinator = RefitCoordinator(cfg, sender, controller, host="127.0.0.1", group=None, device=torch.device("cpu"))
     try:
-        controller.expect("ready", len(ranks), 60, "start")
+        controller.mailbox.expect("ready", len(ranks), 60, "start")
         started = time.monotonic()
         with pytest.raises(Exception, match=match) as raised:
             coordinator.open_group()
@@ -598,12 +599,12 @@ class ProtocolJob:
         self.thread = threading.Thread(target=_serve_rollout_ranks, args=(self.services, self.loop, self.stop),
                                        daemon=True)
         self.thread.start()
-        self.controller = RolloutController(cfg, self.router, rollout_ranks=ranks)
+        self.controller = RolloutController(cfg, Mailbox(self.router, ranks))
         self.model = _tiny_model()
         sender = RefitSender(self.model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=timeout_seconds)
         self.coordinator = RefitCoordinator(cfg, sender, self.controller, host="127.0.0.1", group=None,
                                             device=torch.device("cpu"))
-        self.controller.expect("ready", len(ranks), 60, "start")
+        self.controller.mailbox.expect("ready", len(ranks), 60, "start")
         self.coordinator.open_group()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from molt.refit.nccl import (NcclEngineSync, NcclSender, PACKED_NUM_BUFFERS, buc
                              worker_init_info)
 from molt.refit.weight_sync import (RefitError, RefitSendError, Watchdog, engine_first_rank, gather_device, gather_stream,
                                     refit_device, refit_world_size)
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 
@@ -503,9 +504,9 @@ def test_the_controller_names_each_engine_that_did_not_acknowledge_the_pause_in_
                               daemon=True) for rank in replies]
     for thread in ranks:
         thread.start()
-    controller = RolloutController(cfg, router, rollout_ranks=list(replies))
+    controller = RolloutController(cfg, Mailbox(router, list(replies)))
     try:
-        controller.expect("ready", 3, 30, "start")
+        controller.mailbox.expect("ready", 3, 30, "start")
         started = time.monotonic()
         failure = controller.await_paused(5, 2, time.monotonic() + cfg.refit.timeout_seconds)
         waited = time.monotonic() - started

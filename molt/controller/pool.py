@@ -1,6 +1,10 @@
 """The rollout controller (rank 0): owns the prompt stream, dispatches single rollouts to the
 rollout ranks, refills or drops groups with a failed rollout, gathers complete groups, filters
-groups without signal and backfills them (DAPO dynamic sampling), and assembles each step's batch.
+groups without signal and backfills them (DAPO dynamic sampling), and releases each step's groups
+(rank 0's batch feed, molt.trainer.feed, balances them over the trainer ranks). It is a state
+machine over messages with no socket in it: they pass through its mailbox (molt.transport.mailbox),
+and the refit protocol's decisions and retries are the refit coordinator's (molt.refit.coordinator),
+for which it sends the engines' pause, go and cancel and waits for their replies.
 
 Streaming with bounded staleness (`algorithm.max_staleness = k`, DESIGN section 6): groups are
 dispatched ahead and stay in flight while the trainer trains, with no global rollout round. At
@@ -37,7 +41,7 @@ from collections.abc import Callable, Collection
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig, engine_start_limit_seconds
-from molt.console import HEARTBEAT_SECONDS, Heartbeat
+from molt.console import Heartbeat
 from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.controller.evaluation import (EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, eval_due,
                                         split_eval_rows)
@@ -46,7 +50,7 @@ from molt.refit.weight_sync import RefitError
 from molt.trace.experience import Experience
 from molt.transport.dispatch import decode_outcome
 from molt.transport.payloads import PayloadClient, PayloadRef, default_node_id
-from molt.transport.wire import Router
+from molt.transport.mailbox import Mailbox, RolloutRankError
 
 logger = logging.getLogger("molt")
 
@@ -61,10 +65,6 @@ MAX_EXAMPLE_CHARACTERS = 500  # of a failed rollout's error quoted when the job 
 ENGINE_COUNTERS = ("rollout/prompt_tokens",  # prompt tokens submitted to the engines
                    "rollout/prefill_tokens",  # ... of which computed (not vLLM prefix-cache hits)
                    "rollout/unrouted_tokens")  # MoE: ... of which without a recorded route (molt.rollout.route_capture)
-
-
-class RolloutRankError(RuntimeError):
-    """A rollout rank reported a failure; the message names the rank."""
 
 
 class AccountingError(RuntimeError):
@@ -194,12 +194,12 @@ class Accounting:
 
 
 class RolloutController:
-    def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int], *,
-                 prompt_rows: list[PromptRow] | None = None):
-        """`prompt_rows`: data.train_path's rows when already read (molt.train); None reads the file."""
+    def __init__(self, cfg: MoltConfig, mailbox: Mailbox, *, prompt_rows: list[PromptRow] | None = None):
+        """`mailbox`: how messages reach and leave the ranks (molt.transport.mailbox); `prompt_rows`:
+        data.train_path's rows when already read (molt.train); None reads the file."""
         self.cfg = cfg
-        self.router = router
-        self.rollout_ranks = rollout_ranks
+        self.mailbox = mailbox
+        rollout_ranks = self.rollout_ranks = mailbox.rollout_ranks
         # eval.holdout_rows leaves training without the eval rows (molt.controller.evaluation), evaluating or
         # not, so that python -m molt.eval can later score them; eval.data_path is read only when
         # training evaluates.
@@ -217,7 +217,6 @@ class RolloutController:
         self.epoch = 0
         self._next_rollout_id = 0
         self._next_group_id = 0
-        self._backlog: list[tuple[str, dict]] = []
         self._queue: deque[GroupInFlight] = deque()  # dispatched groups not yet released, in dispatch order
         self._requests: dict[int, tuple[GroupInFlight, dict]] = {}  # rollout id -> its group and request, until back
         self.accounting = Accounting()
@@ -228,64 +227,17 @@ class RolloutController:
         self.rank_metrics: dict[int, dict[str, float]] = {}  # rollout rank -> its latest store, process, engine metrics
         self._engine_totals: dict[str, float] = {}  # ENGINE_COUNTERS summed over the ranks at the last step
         self.token_values_received = 0  # token-axis values that reached the controller (0: payloads stayed put)
-        self.heartbeat_seconds = HEARTBEAT_SECONDS  # how often a long wait says what it waits for
         self._started: dict[int, tuple[float, int]] = {}  # rollout id -> (monotonic dispatch time, rollout rank)
         self._eval: EvalRun | None = None  # the evaluation in flight, if any
         self._next_eval_id = -1  # eval rollouts and groups count down from -1, apart from training's ids
         self.failed_steps = FailedStepStreak(cfg.agent.max_failed_steps)  # the trainer's feed records each step
 
-    # -- plumbing --------------------------------------------------------------------------
-
-    def send_to_rollout_ranks(self, message: dict) -> None:
-        for rank in self.rollout_ranks:
-            self.router.send(f"rollout-{rank}", message)
-
-    def expect(self, message_type: str, count: int, timeout_seconds: float, what: str,
-               heartbeat: Heartbeat | None = None, status: Callable[[], str] | None = None) -> list[dict]:
-        """Wait for `count` messages of one type; an error report or the deadline raises."""
-        received = self.receive_replies(message_type, count, time.monotonic() + timeout_seconds, what,
-                                        heartbeat=heartbeat, status=status)
-        if len(received) < count:
-            raise TimeoutError(f"{what}: got {len(received)} of {count} replies within {timeout_seconds:.0f}s; "
-                               f"a rank may be stuck or dead")
-        return received
-
-    def receive_replies(self, message_type: str, count: int, deadline: float, what: str,
-                        match: Callable[[dict], bool] | None = None, heartbeat: Heartbeat | None = None,
-                        status: Callable[[], str] | None = None) -> list[dict]:
-        """Up to `count` messages of one type, those that arrive by `deadline`; an error report
-        raises. Messages of that type `match` rejects are stale replies (to an attempt given up on)
-        and are dropped; other types wait in the backlog for the call that wants them. A long wait
-        says what it waits for every heartbeat interval (`status`, or the replies counted so far)."""
-        def stale(message: dict) -> bool:
-            return message["type"] == message_type and match is not None and not match(message)
-
-        received = [m for _, m in self._backlog if m["type"] == message_type and not stale(m)][:count]
-        self._backlog = [(i, m) for i, m in self._backlog if not stale(m) and not any(m is r for r in received)]
-        heartbeat = heartbeat or Heartbeat(self.heartbeat_seconds)
-        while len(received) < count:
-            try:
-                identity, message = self.router.receive_until(min(deadline, heartbeat.due_at))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    break
-                heartbeat.beat(status() if status else f"waiting for {what}: {len(received)} of {count} replies")
-                continue
-            if message["type"] in ("failed", "error"):
-                raise RolloutRankError(f"{what}: {identity} reported {message.get('during', 'start-up')} failure: "
-                                       f"{message['error']}")
-            if message["type"] != message_type:
-                self._backlog.append((identity, message))  # an early reply to a later wait
-            elif stale(message):
-                logger.info("%s: ignoring a late reply from %s: %s", what, identity, message)
-            else:
-                received.append(message)
-        return received
+    # -- start ---------------------------------------------------------------------------
 
     def wait_for_ranks(self, num_trainer_ranks: int) -> None:
         """Every other trainer rank says hello (so the router can address it), every engine says ready."""
-        self.expect("hello", num_trainer_ranks - 1, 120, "trainer ranks connecting")
-        self.expect("ready", len(self.rollout_ranks), engine_start_limit_seconds(self.cfg), "engine start")
+        self.mailbox.expect("hello", num_trainer_ranks - 1, 120, "trainer ranks connecting")
+        self.mailbox.expect("ready", len(self.rollout_ranks), engine_start_limit_seconds(self.cfg), "engine start")
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -351,7 +303,7 @@ class RolloutController:
         max_released = target + (algo.max_backfill_prompts if algo.filter_groups else 0)
         self.top_up(policy_version, policy_version + 1 if step is None else step)
         result, released = StepRollouts(groups=[], trained_version=policy_version), 0
-        heartbeat = Heartbeat(self.heartbeat_seconds)
+        heartbeat = Heartbeat(self.mailbox.heartbeat_seconds)
         def status() -> str:
             return self.describe_wait(step, len(result.groups), target)
         while len(result.groups) < target and released < max_released:
@@ -422,7 +374,7 @@ class RolloutController:
         self.accounting.dispatched += 1
         rank = self.engine_router.place(request["rollout_id"], group.group_id, group.size,
                                         estimate_rollout_tokens(request))
-        self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request})
+        self.mailbox.send_to_rollout_rank(rank, {"type": "rollout", "request": request})
         self._started[request["rollout_id"]] = (time.monotonic(), rank)
         return request["rollout_id"]
 
@@ -456,8 +408,8 @@ class RolloutController:
             run.sample_indices[rollout_id] = request["sample_index"]
             rank = self.engine_router.place(rollout_id, router_group, self.cfg.eval.n_samples,
                                             estimate_rollout_tokens(request))
-            self.router.send(f"rollout-{rank}", {"type": "rollout", "request": request, "eval": True})
-        heartbeat = Heartbeat(self.heartbeat_seconds)
+            self.mailbox.send_to_rollout_rank(rank, {"type": "rollout", "request": request, "eval": True})
+        heartbeat = Heartbeat(self.mailbox.heartbeat_seconds)
         def status() -> str:
             return f"eval of step {step}: {len(run.samples)} of {len(requests)} samples back"
         try:
@@ -493,7 +445,7 @@ class RolloutController:
         # queueing behind others) means a stuck rank. Every dispatched rollout is waited for, refills too.
         timeout = cfg.agent.rollout_timeout_seconds * 2 + 60
         what = f"rollouts ({self.num_in_flight} in flight)"
-        message = self.expect("outcome", 1, timeout, what, heartbeat=heartbeat, status=status)[0]
+        message = self.mailbox.expect("outcome", 1, timeout, what, heartbeat=heartbeat, status=status)[0]
         outcome = decode_outcome(message)
         if self._eval is not None and outcome.rollout_id in self._eval.sample_indices:
             self.engine_router.release(outcome.rollout_id)
@@ -570,7 +522,7 @@ class RolloutController:
         message = {"type": "refit_go" if go else "refit_cancel", "version": version, "attempt": attempt}
         for rank in self.rollout_ranks:
             try:
-                self.router.send(f"rollout-{rank}", message)
+                self.mailbox.send_to_rollout_rank(rank, message)
             except ConnectionError as error:
                 logger.error("refit v%d (attempt %d): %s", version, attempt, error)
 
@@ -589,7 +541,7 @@ class RolloutController:
         or in a RefitError, which also carries `join_error` (the sender's failed rendezvous). `absent`:
         the rollout ranks whose engines never reached that rendezvous; when known, only they are named
         (the others timed out waiting for them)."""
-        replies = self.receive_replies("refit_joined", len(self.rollout_ranks), time.monotonic() + timeout_seconds,
+        replies = self.mailbox.receive_replies("refit_joined", len(self.rollout_ranks), time.monotonic() + timeout_seconds,
                                        "refit join")
         joined = {reply["rank"] for reply in replies}
         timeout = f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}"
@@ -607,7 +559,7 @@ class RolloutController:
         def this_attempt(message: dict) -> bool:
             return message["version"] == version and message["attempt"] == attempt
 
-        replies = self.receive_replies(reply_type, len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
+        replies = self.mailbox.receive_replies(reply_type, len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
         by_rank = {reply["rank"]: reply for reply in replies}
         problems = []
         for rank in self.rollout_ranks:
@@ -620,14 +572,13 @@ class RolloutController:
         return problems
 
     def score_on_engines(self, token_ids: list[int], timeout_seconds: float) -> list[list[float]]:
-        self.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})
-        replies = self.expect("scored", len(self.rollout_ranks), timeout_seconds, "refit check")
+        self.mailbox.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})
+        replies = self.mailbox.expect("scored", len(self.rollout_ranks), timeout_seconds, "refit check")
         return [r["logprobs"] for r in replies]
 
     def traffic_metrics(self) -> dict[str, float]:
         """What passed through the controller's socket so far: references and control only."""
-        return {"controller/bytes_received_total": float(self.router.bytes_received),
-                "controller/bytes_sent_total": float(self.router.bytes_sent),
+        return {**self.mailbox.traffic_metrics(),
                 "controller/token_values_received_total": float(self.token_values_received)}
 
     def close(self) -> None:
@@ -640,10 +591,10 @@ class RolloutController:
         if self._queue:
             logger.info("stopping with %d rollouts in flight (%d groups dispatched for steps past the last)",
                         self.num_in_flight, len(self._queue))
-        self.send_to_rollout_ranks({"type": "shutdown"})
+        self.mailbox.send_to_rollout_ranks({"type": "shutdown"})
         if wait_seconds > 0:
             try:
-                stopped = self.receive_replies("stopped", len(self.rollout_ranks), time.monotonic() + wait_seconds,
+                stopped = self.mailbox.receive_replies("stopped", len(self.rollout_ranks), time.monotonic() + wait_seconds,
                                                "rollout ranks stopping")
                 if len(stopped) < len(self.rollout_ranks):
                     logger.warning("%d of %d rollout ranks did not say they stopped within %.0f s",

@@ -95,7 +95,7 @@ class RefitCoordinator(RefitFollower):
         tensor_parallel = self.cfg.layout.engine_tensor_parallel_size
         group = self.sender.group_message(self.host, refit_world_size(len(self.rollout_ranks), tensor_parallel))
         for index, rank in enumerate(self.rollout_ranks):
-            self.controller.router.send(f"rollout-{rank}", {
+            self.controller.mailbox.send_to_rollout_rank(rank, {
                 "type": "join_refit", "group": {**group, "rank": engine_first_rank(index, tensor_parallel)}})
         try:
             self.sender.connect()
@@ -112,7 +112,7 @@ class RefitCoordinator(RefitFollower):
         the group without loading) and nothing is sent. Every trainer rank runs the FSDP2 gathers
         either way (`send=False` gathers only)."""
         deadline = time.monotonic() + self.cfg.refit.timeout_seconds
-        self.controller.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
+        self.controller.mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
         not_paused = self.controller.await_paused(version, attempt, deadline)
         self.controller.decide_refit(version, attempt, go=not_paused is None)
         send_error = None

@@ -101,7 +101,7 @@ class LeadFeed(Feed):
                      rewards=[e.reward for e in experiences], segment_indices=[e.segment_index for e in experiences])
         for rank in range(1, self.num_trainer_ranks):
             share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
-            self.controller.router.send(f"trainer-{rank}", {
+            self.controller.mailbox.send_to_trainer_rank(rank, {
                 "type": "batch", "experiences": [experiences[i].to_dict() for i in share],
                 "info": BatchInfo(**batch, own=share).to_dict(), "micro_batch_counts": micro_batch_counts})
         if not experiences:
@@ -127,7 +127,7 @@ class LeadFeed(Feed):
         logger.error("%s; stopping the job", message)
         self.stop_controller()
         for rank in range(1, self.num_trainer_ranks):
-            self.controller.router.send(f"trainer-{rank}", {"type": "stop", "error": message})
+            self.controller.mailbox.send_to_trainer_rank(rank, {"type": "stop", "error": message})
         raise RolloutsFailedError(message)
 
     def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
@@ -139,7 +139,7 @@ class LeadFeed(Feed):
         """Each engine frees its GPU memory for the step and wakes at its next refit, rollout or score
         (molt.rollout.rank.wakes_engine)."""
         if self.cfg.rollout.sleep_while_training:
-            self.controller.send_to_rollout_ranks({"type": "sleep"})
+            self.controller.mailbox.send_to_rollout_ranks({"type": "sleep"})
 
     def state_dict(self) -> dict:
         return self.controller.state_dict()

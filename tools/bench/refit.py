@@ -68,11 +68,11 @@ import torch.distributed as dist
 from bench_fixtures import load_test_fixtures
 
 from molt.config import MoltConfig
-from molt.console import HEARTBEAT_SECONDS
 from molt.controller.pool import RolloutController
 from molt.refit.backends import build_sender
 from molt.refit.coordinator import RefitCoordinator, RefitFollower
 from molt.rollout.worker_extension import WorkerExtension
+from molt.transport.mailbox import Mailbox
 from molt.transport.wire import Router, unpack
 
 # The engine's workers import this file as module `refit` (TimedRefitReceiver is refit.receiver_cls;
@@ -220,8 +220,7 @@ class RefitController(RolloutController):
     prompt loader and payload client a rollout step needs."""
 
     def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int]):
-        self.cfg, self.router, self.rollout_ranks, self._backlog = cfg, router, rollout_ranks, []
-        self.heartbeat_seconds = HEARTBEAT_SECONDS
+        self.cfg, self.mailbox, self.rollout_ranks = cfg, Mailbox(router, rollout_ranks), rollout_ranks
 
 
 class TimedCoordinator(RefitCoordinator):
@@ -248,7 +247,7 @@ class TimedCoordinator(RefitCoordinator):
         self.sender.group = TimedGroup(self.sender.group)
 
     def attempt(self, version: int, attempt: int) -> str | None:
-        group, router = self.sender.group, self.controller.router
+        group, router = self.sender.group, self.controller.mailbox.router
         before = (group.seconds, group.num_broadcasts, router.bytes_sent + router.bytes_received)
         started = time.perf_counter()
         failure = super().attempt(version, attempt)
@@ -288,8 +287,8 @@ def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Mod
 
 def take_engine_stats(controller: RefitController, timeout_seconds: float) -> dict:
     """What the rollout rank counted since the last call (see `EngineRecorder`)."""
-    controller.send_to_rollout_ranks({"type": "bench_stats"})
-    return controller.expect("bench_stats", 1, timeout_seconds, "engine statistics")[0]
+    controller.mailbox.send_to_rollout_ranks({"type": "bench_stats"})
+    return controller.mailbox.expect("bench_stats", 1, timeout_seconds, "engine statistics")[0]
 
 
 def bench_bucket_size(refit: RefitFollower, args, first_version: int) -> dict | None:
@@ -306,8 +305,8 @@ def bench_bucket_size(refit: RefitFollower, args, first_version: int) -> dict | 
     for index in range(args.refits):
         refit.push(first_version + 1 + index)
     engine = take_engine_stats(refit.controller, args.timeout_seconds)
-    refit.controller.send_to_rollout_ranks({"type": "leave_refit"})
-    refit.controller.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
+    refit.controller.mailbox.send_to_rollout_ranks({"type": "leave_refit"})
+    refit.controller.mailbox.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
     refit.sender.close_group()
     return {"refits": refit.refits, "engine": engine, "buckets": len(refit.sender.buckets),
             "params": sum(len(bucket) for bucket in refit.sender.buckets)}
@@ -323,8 +322,8 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
     if rank == 0:
         controller = RefitController(trainer_config(model_dir, args.layouts[0], 1, args.timeout_seconds),
                                      Router(HOST), [ROLLOUT_RANK])
-        results.put(controller.router.address)
-        controller.expect("ready", 1, 600, "engine start")
+        results.put(controller.mailbox.router.address)
+        controller.mailbox.expect("ready", 1, 600, "engine start")
     version = 1
     for layout in args.layouts:
         model = build_trainer_model(layout, trainer_config(model_dir, layout, 1, args.timeout_seconds), rank)
@@ -339,7 +338,7 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
         del model
     if rank == 0:
         results.put(None)
-        controller.router.close()
+        controller.mailbox.router.close()
     dist.destroy_process_group()
 
 
