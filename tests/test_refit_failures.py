@@ -28,11 +28,11 @@ import torch.multiprocessing as mp
 
 from distributed import run_ranks
 from molt.config import MoltConfig
-from molt.controller.pool import RolloutController
+from molt.refit.coordinator import RefitCoordinator
 from molt.refit.gloo import RefitSender
 from molt.refit.receiver import RefitReceiver
 from molt.refit.weight_sync import RefitError, RefitSendError
-from molt.transport.mailbox import Mailbox
+from molt.transport.mailbox import Mailbox, RolloutRankError
 from molt.transport.wire import Router, connect_dealer, pack, unpack
 
 TIMEOUT_SECONDS = 5.0  # refit.timeout_seconds of these groups
@@ -262,16 +262,17 @@ def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_deliv
                                 daemon=True) for rank in ranks]
     for thread in threads:
         thread.start()
-    controller = RolloutController(cfg, Mailbox(router, ranks))
+    mailbox = Mailbox(router, ranks)
+    coordinator = RefitCoordinator(cfg, None, mailbox, host="127.0.0.1", group=None, device=torch.device("cpu"))
     try:
-        controller.mailbox.expect("ready", len(ranks), 60, "start")
-        for version in range(1, num_refits + 1):  # the controller's side of RefitCoordinator.attempt
+        mailbox.expect("ready", len(ranks), 60, "start")
+        for version in range(1, num_refits + 1):  # RefitCoordinator.attempt's messages, without the broadcast
             before = (router.messages_sent, router.bytes_sent, router.messages_received)
-            controller.mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
+            mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": 1})
             deadline = time.monotonic() + cfg.refit.timeout_seconds
-            assert controller.await_paused(version, 1, deadline) is None
-            controller.decide_refit(version, 1, go=True)
-            assert controller.finish_refit(version, 1, deadline, None) is None
+            assert coordinator.await_paused(version, 1, deadline) is None
+            coordinator.decide_refit(version, 1, go=True)
+            assert coordinator.finish_refit(version, 1, deadline, None) is None
             assert router.messages_sent - before[0] == 2 * len(ranks)  # O(engines), never O(parameters)
             assert router.messages_received - before[2] == 2 * len(ranks)
         # A rollout rank that is gone: the send raises naming it, and nothing is counted as sent.
@@ -279,11 +280,10 @@ def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_deliv
         with pytest.raises(ConnectionError, match="rollout-3 is not connected to the controller"):
             router.send("rollout-3", {"type": "refit", "version": 9, "attempt": 1})
         assert (router.messages_sent, router.bytes_sent) == before
-        controller.mailbox.send_to_rollout_ranks({"type": "shutdown"})
+        mailbox.send_to_rollout_ranks({"type": "shutdown"})
         for thread in threads:
             thread.join(60)
     finally:
-        controller.payloads.close()
         router.close()
     # What the counters say went out is what the ranks got, message for message and byte for byte.
     assert router.messages_sent == sum(c["messages"] for c in counted.values()) + len(ranks)  # + the shutdowns
@@ -433,8 +433,6 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
     """After an engine died mid-broadcast, the trainer rebuilds the group for its retry; that engine
     cannot join. The job stops within the refit timeout with an error naming it (RefitCoordinator.open_group
     on a real controller socket, a real gloo rendezvous and one real joining worker)."""
-    from molt.refit.coordinator import RefitCoordinator
-
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = MoltConfig()
     cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 2
@@ -444,19 +442,18 @@ def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, 
                for rank, how in ranks.items()]
     for thread in threads:
         thread.start()
-    controller = RolloutController(cfg, Mailbox(router, list(ranks)))
+    mailbox = Mailbox(router, list(ranks))
     sender = RefitSender(_tiny_model(), is_sender=True, bucket_bytes=16 << 10,
                          timeout_seconds=cfg.refit.timeout_seconds)
-    coordinator = RefitCoordinator(cfg, sender, controller, host="127.0.0.1", group=None, device=torch.device("cpu"))
+    coordinator = RefitCoordinator(cfg, sender, mailbox, host="127.0.0.1", group=None, device=torch.device("cpu"))
     try:
-        controller.mailbox.expect("ready", len(ranks), 60, "start")
+        mailbox.expect("ready", len(ranks), 60, "start")
         started = time.monotonic()
         with pytest.raises(Exception, match=match) as raised:
             coordinator.open_group()
         assert type(raised.value).__name__ == error
         assert time.monotonic() - started < cfg.refit.timeout_seconds + SLACK_SECONDS
     finally:
-        controller.payloads.close()
         router.close()
 
 
@@ -569,7 +566,7 @@ def _serve_rollout_ranks(services: list, loop: asyncio.AbstractEventLoop, stop: 
 
 
 class ProtocolJob:
-    """A controller (the real RefitCoordinator over a real Router and RolloutController, one
+    """A controller (the real RefitCoordinator over a real Mailbox and Router, one
     trainer rank, the real gloo RefitSender) and rollout ranks (real RolloutService and RolloutEngine)
     whose engines are ProtocolLLMs."""
 
@@ -579,7 +576,6 @@ class ProtocolJob:
         from molt.rollout.engine import RolloutEngine
         from molt.refit.gloo import GlooEngineSync
         from molt.rollout.rank import RolloutService
-        from molt.refit.coordinator import RefitCoordinator
 
         (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
         cfg = MoltConfig()
@@ -599,12 +595,12 @@ class ProtocolJob:
         self.thread = threading.Thread(target=_serve_rollout_ranks, args=(self.services, self.loop, self.stop),
                                        daemon=True)
         self.thread.start()
-        self.controller = RolloutController(cfg, Mailbox(self.router, ranks))
+        self.mailbox = Mailbox(self.router, ranks)
         self.model = _tiny_model()
         sender = RefitSender(self.model, is_sender=True, bucket_bytes=16 << 10, timeout_seconds=timeout_seconds)
-        self.coordinator = RefitCoordinator(cfg, sender, self.controller, host="127.0.0.1", group=None,
+        self.coordinator = RefitCoordinator(cfg, sender, self.mailbox, host="127.0.0.1", group=None,
                                             device=torch.device("cpu"))
-        self.controller.mailbox.expect("ready", len(ranks), 60, "start")
+        self.mailbox.expect("ready", len(ranks), 60, "start")
         self.coordinator.open_group()
 
     def close(self) -> None:
@@ -612,7 +608,6 @@ class ProtocolJob:
         self.thread.join(30)
         for service in self.services:
             service.socket.close(0)
-        self.controller.payloads.close()
         self.router.close()
 
 
@@ -664,8 +659,6 @@ def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine
     attempt fails naming it; the retry cannot rebuild the group (its engine is dead) and the job
     stops naming it, within the attempt's and the join's timeouts. Engine 1 either loaded everything
     (and took the new label) or stays paused: it never serves a mix of old and new weights."""
-    from molt.controller.pool import RolloutRankError
-
     timeout = 3.0
     receivers = [LoadingReceiver(), LoadingReceiver(die_at_version=1)]
     engines = [ProtocolLLM(receivers[0]), ProtocolLLM(receivers[1])]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from molt.config import ConfigError, MoltConfig
-from molt.controller.pool import RolloutController
 from molt.refit.backends import build_engine_sync, build_sender, resolve_backend
+from molt.refit.coordinator import RefitCoordinator
 from molt.refit.gloo import GlooEngineSync, RefitSender
 from molt.refit.nccl import (NcclEngineSync, NcclSender, PACKED_NUM_BUFFERS, bucket_update_infos,
                              worker_init_info)
@@ -504,15 +504,16 @@ def test_the_controller_names_each_engine_that_did_not_acknowledge_the_pause_in_
                               daemon=True) for rank in replies]
     for thread in ranks:
         thread.start()
-    controller = RolloutController(cfg, Mailbox(router, list(replies)))
+    mailbox = Mailbox(router, list(replies))
+    coordinator = RefitCoordinator(cfg, None, mailbox, host="127.0.0.1", group=None, device=torch.device("cpu"))
     try:
-        controller.mailbox.expect("ready", 3, 30, "start")
+        mailbox.expect("ready", 3, 30, "start")
         started = time.monotonic()
-        failure = controller.await_paused(5, 2, time.monotonic() + cfg.refit.timeout_seconds)
+        failure = coordinator.await_paused(5, 2, time.monotonic() + cfg.refit.timeout_seconds)
         waited = time.monotonic() - started
-        all_paused = controller.await_paused(5, 2, time.monotonic() + 0.1)  # replies already taken: none left
+        all_paused = coordinator.await_paused(5, 2, time.monotonic() + 0.1)  # replies already taken: none left
     finally:
-        controller.shutdown()
+        mailbox.send_to_rollout_ranks({"type": "shutdown"})
         router.close()
     assert failure == ("refit v5 (attempt 2): the engine of rollout rank 2 did not acknowledge the pause within "
                        "refit.timeout_seconds=1; the engine of rollout rank 3 failed: RuntimeError: boom; "

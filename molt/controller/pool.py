@@ -37,7 +37,7 @@ import statistics
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig, engine_start_limit_seconds
@@ -46,7 +46,6 @@ from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
 from molt.controller.evaluation import (EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, eval_due,
                                         split_eval_rows)
 from molt.controller.prompts import PromptRow, build_prompt_loader, load_prompt_rows
-from molt.refit.weight_sync import RefitError
 from molt.trace.experience import Experience
 from molt.transport.dispatch import decode_outcome
 from molt.transport.payloads import PayloadClient, PayloadRef, default_node_id
@@ -503,79 +502,6 @@ class RolloutController:
         self.accounting.dropped.update(part.dropped_rollouts)
         return part
 
-    # -- refit and probes ------------------------------------------------------------------
-
-    def await_paused(self, version: int, attempt: int, deadline: float) -> str | None:
-        """Wait until `deadline` for every engine to say it paused for one refit attempt, ready to
-        receive. None when all did (the sender may broadcast); otherwise what went wrong, naming each
-        engine that did not: then nothing is broadcast and the attempt has failed. Either way the
-        caller then sends `decide_refit`, which the engines wait for."""
-        problems = self._refit_problems("refit_paused", version, attempt, deadline, "acknowledge the pause")
-        return (f"refit v{version} (attempt {attempt}): " + "; ".join(problems) + "; nothing was broadcast"
-                if problems else None)
-
-    def decide_refit(self, version: int, attempt: int, go: bool) -> None:
-        """Tell every engine, once `await_paused` returned, whether this attempt goes ahead: 'refit_go'
-        (every engine paused: they receive) or 'refit_cancel' (one did not: the paused ones tear the
-        group down at once, loading nothing, and keep serving their old weights). A rank that is no
-        longer connected cannot be told; its absence shows in the attempt's replies."""
-        message = {"type": "refit_go" if go else "refit_cancel", "version": version, "attempt": attempt}
-        for rank in self.rollout_ranks:
-            try:
-                self.mailbox.send_to_rollout_rank(rank, message)
-            except ConnectionError as error:
-                logger.error("refit v%d (attempt %d): %s", version, attempt, error)
-
-    def finish_refit(self, version: int, attempt: int, deadline: float, send_error: Exception | None) -> str | None:
-        """Wait until `deadline` for every engine to confirm one refit attempt. None when all
-        loaded the weights; otherwise what went wrong, naming each engine that did not."""
-        problems = self._refit_problems("refit_done", version, attempt, deadline, "confirm")
-        if send_error is not None:
-            problems.append(f"the trainer's {send_error}")
-        return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
-
-    def await_joined(self, timeout_seconds: float, join_error: Exception | None = None,
-                     absent: Collection[int] = ()) -> None:
-        """Wait up to `timeout_seconds` for every engine to confirm it joined a fresh refit group. An
-        engine that did not is named: by its rank's own report (RolloutRankError, e.g. its engine died)
-        or in a RefitError, which also carries `join_error` (the sender's failed rendezvous). `absent`:
-        the rollout ranks whose engines never reached that rendezvous; when known, only they are named
-        (the others timed out waiting for them)."""
-        replies = self.mailbox.receive_replies("refit_joined", len(self.rollout_ranks), time.monotonic() + timeout_seconds,
-                                       "refit join")
-        joined = {reply["rank"] for reply in replies}
-        timeout = f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}"
-        problems = ([f"the engine of rollout rank {rank} never reached the refit rendezvous within {timeout}"
-                     for rank in sorted(absent)] or
-                    [f"the engine of rollout rank {rank} did not join within {timeout}"
-                     for rank in self.rollout_ranks if rank not in joined])
-        if join_error is not None:
-            problems.append(f"the trainer's sender: {join_error}")
-        if problems:
-            raise RefitError("refit group: " + "; ".join(problems))
-
-    def _refit_problems(self, reply_type: str, version: int, attempt: int, deadline: float, verb: str) -> list[str]:
-        """One line per engine whose `reply_type` for this attempt was missing by `deadline` or reported an error."""
-        def this_attempt(message: dict) -> bool:
-            return message["version"] == version and message["attempt"] == attempt
-
-        replies = self.mailbox.receive_replies(reply_type, len(self.rollout_ranks), deadline, f"refit v{version}", this_attempt)
-        by_rank = {reply["rank"]: reply for reply in replies}
-        problems = []
-        for rank in self.rollout_ranks:
-            reply = by_rank.get(rank)
-            if reply is None:
-                problems.append(f"the engine of rollout rank {rank} did not {verb} within "
-                                f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}")
-            elif reply["error"]:
-                problems.append(f"the engine of rollout rank {rank} failed: {reply['error']}")
-        return problems
-
-    def score_on_engines(self, token_ids: list[int], timeout_seconds: float) -> list[list[float]]:
-        self.mailbox.send_to_rollout_ranks({"type": "score", "token_ids": token_ids})
-        replies = self.mailbox.expect("scored", len(self.rollout_ranks), timeout_seconds, "refit check")
-        return [r["logprobs"] for r in replies]
-
     def traffic_metrics(self) -> dict[str, float]:
         """What passed through the controller's socket so far: references and control only."""
         return {**self.mailbox.traffic_metrics(),
@@ -594,8 +520,8 @@ class RolloutController:
         self.mailbox.send_to_rollout_ranks({"type": "shutdown"})
         if wait_seconds > 0:
             try:
-                stopped = self.mailbox.receive_replies("stopped", len(self.rollout_ranks), time.monotonic() + wait_seconds,
-                                               "rollout ranks stopping")
+                stopped = self.mailbox.receive_replies("stopped", len(self.rollout_ranks),
+                                                       time.monotonic() + wait_seconds, "rollout ranks stopping")
                 if len(stopped) < len(self.rollout_ranks):
                     logger.warning("%d of %d rollout ranks did not say they stopped within %.0f s",
                                    len(self.rollout_ranks) - len(stopped), len(self.rollout_ranks), wait_seconds)

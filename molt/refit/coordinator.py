@@ -1,9 +1,10 @@
 """The refit protocol on the trainer ranks (DESIGN section 6), one role per rank, chosen once.
 
-On rank 0, `RefitCoordinator` runs the protocol with the engines through the rollout controller (handed
-in by molt.train): it opens the refit group, asks the engines to pause, says 'refit_go' or 'refit_cancel',
-waits for their confirmations, retries a failed attempt on a rebuilt group up to refit.max_attempts,
-and tells the other trainer ranks how each attempt went. On ranks 1.., `RefitFollower` runs the FSDP2
+On rank 0, `RefitCoordinator` runs the protocol with the engines through rank 0's mailbox
+(molt.transport.mailbox, handed in by molt.train): it opens the refit group, asks the engines to pause,
+says 'refit_go' or 'refit_cancel', waits for their confirmations, retries a failed attempt on a rebuilt
+group up to refit.max_attempts, tells the other trainer ranks how each attempt went, and scores the
+refit check's probe on the engines. On ranks 1.., `RefitFollower` runs the FSDP2
 gathers of every attempt (the sender's weights are sharded over all trainer ranks) and learns the outcome.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -74,12 +76,12 @@ class RefitFollower:
 class RefitCoordinator(RefitFollower):
     """Rank 0: the sender, and the refit protocol's replies and retries."""
 
-    def __init__(self, cfg: MoltConfig, sender, controller, *, host: str, group: dist.ProcessGroup | None,
+    def __init__(self, cfg: MoltConfig, sender, mailbox, *, host: str, group: dist.ProcessGroup | None,
                  device: torch.device):
-        """`controller`: molt.controller.pool.RolloutController, which carries the protocol's messages."""
+        """`mailbox`: molt.transport.mailbox.Mailbox, which carries the protocol's messages."""
         super().__init__(cfg, sender, group=group, device=device)
-        self.controller, self.host = controller, host
-        self.rollout_ranks = controller.rollout_ranks
+        self.mailbox, self.host = mailbox, host
+        self.rollout_ranks = mailbox.rollout_ranks
 
     def connect(self) -> None:
         self.open_group()
@@ -95,14 +97,14 @@ class RefitCoordinator(RefitFollower):
         tensor_parallel = self.cfg.layout.engine_tensor_parallel_size
         group = self.sender.group_message(self.host, refit_world_size(len(self.rollout_ranks), tensor_parallel))
         for index, rank in enumerate(self.rollout_ranks):
-            self.controller.mailbox.send_to_rollout_rank(rank, {
+            self.mailbox.send_to_rollout_rank(rank, {
                 "type": "join_refit", "group": {**group, "rank": engine_first_rank(index, tensor_parallel)}})
         try:
             self.sender.connect()
         except RefitSendError as error:  # an engine did not join: its rank's report, or its absence, names it
             absent = {self.rollout_ranks[(rank - 1) // tensor_parallel] for rank in error.absent_ranks}
-            self.controller.await_joined(0.0, error, absent=absent)
-        self.controller.await_joined(self.cfg.refit.timeout_seconds)
+            self.await_joined(0.0, error, absent=absent)
+        self.await_joined(self.cfg.refit.timeout_seconds)
 
     def attempt(self, version: int, attempt: int) -> str | None:
         """One refit attempt; returns what failed, if anything.
@@ -112,16 +114,16 @@ class RefitCoordinator(RefitFollower):
         the group without loading) and nothing is sent. Every trainer rank runs the FSDP2 gathers
         either way (`send=False` gathers only)."""
         deadline = time.monotonic() + self.cfg.refit.timeout_seconds
-        self.controller.mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
-        not_paused = self.controller.await_paused(version, attempt, deadline)
-        self.controller.decide_refit(version, attempt, go=not_paused is None)
+        self.mailbox.send_to_rollout_ranks({"type": "refit", "version": version, "attempt": attempt})
+        not_paused = self.await_paused(version, attempt, deadline)
+        self.decide_refit(version, attempt, go=not_paused is None)
         send_error = None
         started = time.perf_counter()
         try:
             num_bytes = self.sender.broadcast(send=not_paused is None)
         except RefitSendError as error:  # only the sender raises; the engines' replies say which one failed
             send_error, num_bytes = error, 0
-        failure = not_paused or self.controller.finish_refit(version, attempt, deadline, send_error)
+        failure = not_paused or self.finish_refit(version, attempt, deadline, send_error)
         logger.debug("refit v%d: %.1f MB in %.2fs", version, num_bytes / 1e6, time.perf_counter() - started)
         return failure
 
@@ -131,8 +133,77 @@ class RefitCoordinator(RefitFollower):
         self.open_group()
 
     def compare(self, probe: list[int], trainer_logprobs: torch.Tensor) -> dict[str, float]:
-        engine_logprobs = self.controller.score_on_engines(probe, self.cfg.refit.timeout_seconds)
+        self.mailbox.send_to_rollout_ranks({"type": "score", "token_ids": probe})
+        replies = self.mailbox.expect("scored", len(self.rollout_ranks), self.cfg.refit.timeout_seconds, "refit check")
+        engine_logprobs = [reply["logprobs"] for reply in replies]
         reference = trainer_logprobs[0, 1:].double().cpu()
         gap = max((reference - torch.tensor(e[1:], dtype=torch.float64)).abs().max().item() for e in engine_logprobs)
         logger.info("refit check: max |engine - trainer| log-prob = %.3g", gap)
         return {"refit/max_abs_logprob_diff": gap}
+
+    def await_paused(self, version: int, attempt: int, deadline: float) -> str | None:
+        """Wait until `deadline` for every engine to say it paused for one refit attempt, ready to
+        receive. None when all did (the sender may broadcast); otherwise what went wrong, naming each
+        engine that did not: then nothing is broadcast and the attempt has failed. Either way the
+        caller then sends `decide_refit`, which the engines wait for."""
+        problems = self._refit_problems("refit_paused", version, attempt, deadline, "acknowledge the pause")
+        return (f"refit v{version} (attempt {attempt}): " + "; ".join(problems) + "; nothing was broadcast"
+                if problems else None)
+
+    def decide_refit(self, version: int, attempt: int, go: bool) -> None:
+        """Tell every engine, once `await_paused` returned, whether this attempt goes ahead: 'refit_go'
+        (every engine paused: they receive) or 'refit_cancel' (one did not: the paused ones tear the
+        group down at once, loading nothing, and keep serving their old weights). A rank that is no
+        longer connected cannot be told; its absence shows in the attempt's replies."""
+        message = {"type": "refit_go" if go else "refit_cancel", "version": version, "attempt": attempt}
+        for rank in self.rollout_ranks:
+            try:
+                self.mailbox.send_to_rollout_rank(rank, message)
+            except ConnectionError as error:
+                logger.error("refit v%d (attempt %d): %s", version, attempt, error)
+
+    def finish_refit(self, version: int, attempt: int, deadline: float, send_error: Exception | None) -> str | None:
+        """Wait until `deadline` for every engine to confirm one refit attempt. None when all
+        loaded the weights; otherwise what went wrong, naming each engine that did not."""
+        problems = self._refit_problems("refit_done", version, attempt, deadline, "confirm")
+        if send_error is not None:
+            problems.append(f"the trainer's {send_error}")
+        return f"refit v{version} (attempt {attempt}): " + "; ".join(problems) if problems else None
+
+    def await_joined(self, timeout_seconds: float, join_error: Exception | None = None,
+                     absent: Collection[int] = ()) -> None:
+        """Wait up to `timeout_seconds` for every engine to confirm it joined a fresh refit group. An
+        engine that did not is named: by its rank's own report (RolloutRankError, e.g. its engine died)
+        or in a RefitError, which also carries `join_error` (the sender's failed rendezvous). `absent`:
+        the rollout ranks whose engines never reached that rendezvous; when known, only they are named
+        (the others timed out waiting for them)."""
+        replies = self.mailbox.receive_replies("refit_joined", len(self.rollout_ranks),
+                                               time.monotonic() + timeout_seconds, "refit join")
+        joined = {reply["rank"] for reply in replies}
+        timeout = f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}"
+        problems = ([f"the engine of rollout rank {rank} never reached the refit rendezvous within {timeout}"
+                     for rank in sorted(absent)] or
+                    [f"the engine of rollout rank {rank} did not join within {timeout}"
+                     for rank in self.rollout_ranks if rank not in joined])
+        if join_error is not None:
+            problems.append(f"the trainer's sender: {join_error}")
+        if problems:
+            raise RefitError("refit group: " + "; ".join(problems))
+
+    def _refit_problems(self, reply_type: str, version: int, attempt: int, deadline: float, verb: str) -> list[str]:
+        """One line per engine whose `reply_type` for this attempt was missing by `deadline` or reported an error."""
+        def this_attempt(message: dict) -> bool:
+            return message["version"] == version and message["attempt"] == attempt
+
+        replies = self.mailbox.receive_replies(reply_type, len(self.rollout_ranks), deadline, f"refit v{version}",
+                                               this_attempt)
+        by_rank = {reply["rank"]: reply for reply in replies}
+        problems = []
+        for rank in self.rollout_ranks:
+            reply = by_rank.get(rank)
+            if reply is None:
+                problems.append(f"the engine of rollout rank {rank} did not {verb} within "
+                                f"refit.timeout_seconds={self.cfg.refit.timeout_seconds:g}")
+            elif reply["error"]:
+                problems.append(f"the engine of rollout rank {rank} failed: {reply['error']}")
+        return problems

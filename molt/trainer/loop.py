@@ -74,7 +74,7 @@ class Trainer:
         if controller is not None:
             self.feed = LeadFeed(cfg, controller, metrics=self.metrics, tp_size=self.tp_size, tp_rank=self.tp_rank,
                                  dp_size=self.dp_size, layout=self.micro_batch_layout)
-            self.refit = RefitCoordinator(cfg, sender, controller, host=host, group=group, device=device)
+            self.refit = RefitCoordinator(cfg, sender, controller.mailbox, host=host, group=group, device=device)
         else:
             self.feed = FollowerFeed(cfg, controller_address, rank=rank, tp_size=self.tp_size, tp_rank=self.tp_rank)
             self.refit = RefitFollower(cfg, sender, group=group, device=device)

@@ -11,9 +11,8 @@ spawned processes form a gloo world of 2 trainer ranks; for each layout they bui
 one: the sender (refit rank 0) on trainer rank 0, the engine's workers refit ranks 1 and 2.
 
 What runs unchanged: the trainer ranks' refit roles, `RefitCoordinator` on rank 0 (timed by
-`TimedCoordinator`) and `RefitFollower` on rank 1 (molt.refit.coordinator), as `Trainer` builds them; the
-controller's refit waits (`RolloutController.expect`, `await_paused`, `finish_refit`) over its ZeroMQ
-`Router`; and on the engine side the rollout rank's message handlers `RolloutService.join_refit`,
+`TimedCoordinator`) and `RefitFollower` on rank 1 (molt.refit.coordinator), as `Trainer` builds them, with
+the coordinator's waits (`await_paused`, `finish_refit`) over rank 0's `Mailbox` and its ZeroMQ `Router`; and on the engine side the rollout rank's message handlers `RolloutService.join_refit`,
 `refit`, `decide_refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused'
 -> 'refit_go' once every engine paused -> the trainer ranks gather and the sender broadcasts -> the workers receive and load -> resume ->
 'refit_done'. What differs from a job: no prompt loader, optimizer, payloads or metrics; the rollout
@@ -68,7 +67,6 @@ import torch.distributed as dist
 from bench_fixtures import load_test_fixtures
 
 from molt.config import MoltConfig
-from molt.controller.pool import RolloutController
 from molt.refit.backends import build_sender
 from molt.refit.coordinator import RefitCoordinator, RefitFollower
 from molt.rollout.worker_extension import WorkerExtension
@@ -215,21 +213,13 @@ def trainer_config(model_dir: str, layout: str, bucket_megabytes: float, timeout
     return cfg
 
 
-class RefitController(RolloutController):
-    """The controller's refit half: RolloutController's own waits over its router, without the
-    prompt loader and payload client a rollout step needs."""
-
-    def __init__(self, cfg: MoltConfig, router: Router, rollout_ranks: list[int]):
-        self.cfg, self.mailbox, self.rollout_ranks = cfg, Mailbox(router, rollout_ranks), rollout_ranks
-
-
 class TimedCoordinator(RefitCoordinator):
     """Rank 0's RefitCoordinator, run unchanged and timed: each attempt's stages, with the sender's group
     wrapped in a TimedGroup."""
 
-    def __init__(self, cfg: MoltConfig, model: torch.nn.Module, controller: RefitController):
+    def __init__(self, cfg: MoltConfig, model: torch.nn.Module, mailbox: Mailbox):
         sender = build_sender(cfg, model, is_sender=True, device=torch.device("cpu"))
-        super().__init__(cfg, sender, controller, host=HOST, group=dist.group.WORLD, device=torch.device("cpu"))
+        super().__init__(cfg, sender, mailbox, host=HOST, group=dist.group.WORLD, device=torch.device("cpu"))
         self.refits: list[dict] = []  # the timings of each attempt
         self.last_broadcast = (0.0, 0.0, 0)  # started, ended, bytes of the latest WeightSender.broadcast
         send = sender.broadcast
@@ -247,7 +237,7 @@ class TimedCoordinator(RefitCoordinator):
         self.sender.group = TimedGroup(self.sender.group)
 
     def attempt(self, version: int, attempt: int) -> str | None:
-        group, router = self.sender.group, self.controller.mailbox.router
+        group, router = self.sender.group, self.mailbox.router
         before = (group.seconds, group.num_broadcasts, router.bytes_sent + router.bytes_received)
         started = time.perf_counter()
         failure = super().attempt(version, attempt)
@@ -262,10 +252,10 @@ class TimedCoordinator(RefitCoordinator):
         return failure
 
 
-def build_refit_role(cfg: MoltConfig, model: torch.nn.Module, controller: RefitController | None):
+def build_refit_role(cfg: MoltConfig, model: torch.nn.Module, mailbox: Mailbox | None):
     """This trainer rank's refit role, as Trainer builds it: the (timed) coordinator on rank 0."""
-    if controller is not None:
-        return TimedCoordinator(cfg, model, controller)
+    if mailbox is not None:
+        return TimedCoordinator(cfg, model, mailbox)
     sender = build_sender(cfg, model, is_sender=False, device=torch.device("cpu"))
     return RefitFollower(cfg, sender, group=dist.group.WORLD, device=torch.device("cpu"))
 
@@ -285,10 +275,10 @@ def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Mod
                              logprob_chunk_tokens=cfg.train.logprob_chunk_tokens)
 
 
-def take_engine_stats(controller: RefitController, timeout_seconds: float) -> dict:
+def take_engine_stats(mailbox: Mailbox, timeout_seconds: float) -> dict:
     """What the rollout rank counted since the last call (see `EngineRecorder`)."""
-    controller.mailbox.send_to_rollout_ranks({"type": "bench_stats"})
-    return controller.mailbox.expect("bench_stats", 1, timeout_seconds, "engine statistics")[0]
+    mailbox.send_to_rollout_ranks({"type": "bench_stats"})
+    return mailbox.expect("bench_stats", 1, timeout_seconds, "engine statistics")[0]
 
 
 def bench_bucket_size(refit: RefitFollower, args, first_version: int) -> dict | None:
@@ -300,13 +290,13 @@ def bench_bucket_size(refit: RefitFollower, args, first_version: int) -> dict | 
         for index in range(args.refits):
             refit.push(first_version + 1 + index)
         return None
-    take_engine_stats(refit.controller, args.timeout_seconds)  # drops the join and the warm-up
+    take_engine_stats(refit.mailbox, args.timeout_seconds)  # drops the join and the warm-up
     refit.refits.clear()
     for index in range(args.refits):
         refit.push(first_version + 1 + index)
-    engine = take_engine_stats(refit.controller, args.timeout_seconds)
-    refit.controller.mailbox.send_to_rollout_ranks({"type": "leave_refit"})
-    refit.controller.mailbox.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
+    engine = take_engine_stats(refit.mailbox, args.timeout_seconds)
+    refit.mailbox.send_to_rollout_ranks({"type": "leave_refit"})
+    refit.mailbox.expect("refit_left", 1, args.timeout_seconds, "refit group leave")
     refit.sender.close_group()
     return {"refits": refit.refits, "engine": engine, "buckets": len(refit.sender.buckets),
             "params": sum(len(bucket) for bucket in refit.sender.buckets)}
@@ -318,19 +308,18 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
     torch.set_num_threads(1)  # two trainer ranks and two engine workers share the machine's cores
     store = dist.TCPStore(HOST, port, is_master=False)  # the rendezvous the benchmark's process serves
     dist.init_process_group("gloo", store=store, rank=rank, world_size=NUM_TRAINER_RANKS)
-    controller = None
+    mailbox = None
     if rank == 0:
-        controller = RefitController(trainer_config(model_dir, args.layouts[0], 1, args.timeout_seconds),
-                                     Router(HOST), [ROLLOUT_RANK])
-        results.put(controller.mailbox.router.address)
-        controller.mailbox.expect("ready", 1, 600, "engine start")
+        mailbox = Mailbox(Router(HOST), [ROLLOUT_RANK])
+        results.put(mailbox.router.address)
+        mailbox.expect("ready", 1, 600, "engine start")
     version = 1
     for layout in args.layouts:
         model = build_trainer_model(layout, trainer_config(model_dir, layout, 1, args.timeout_seconds), rank)
         for bucket_megabytes in args.bucket_megabytes:
             if model is not None:
                 cfg = trainer_config(model_dir, layout, bucket_megabytes, args.timeout_seconds)
-                record = bench_bucket_size(build_refit_role(cfg, model, controller), args, version)
+                record = bench_bucket_size(build_refit_role(cfg, model, mailbox), args, version)
                 if record is not None:
                     results.put({"layout": layout, "bucket_megabytes": bucket_megabytes, **record})
             version += args.refits + 1
@@ -338,7 +327,7 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
         del model
     if rank == 0:
         results.put(None)
-        controller.mailbox.router.close()
+        mailbox.router.close()
     dist.destroy_process_group()
 
 
