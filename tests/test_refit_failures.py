@@ -251,10 +251,9 @@ def _stand_in_rollout_rank(address, rank: int, num_refits: int, counted: dict) -
         context.term()
 
 
-def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_delivered(tmp_path):
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+def test_a_refit_costs_two_messages_out_and_two_back_per_engine_counted_as_delivered():
     cfg = MoltConfig()
-    cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 60
+    cfg.refit.timeout_seconds = 60
     num_refits, ranks = 3, [1, 2]
     router = Router("127.0.0.1")
     counted = {rank: {"messages": 0, "bytes": 0} for rank in ranks}
@@ -429,13 +428,12 @@ def _rollout_rank_joining(address, rank: int, behaviour: str) -> None:
     ("dead", "RolloutRankError", "refit join: rollout-2 reported join_refit failure: EngineDeadError"),
     ("silent", "RefitError", r"refit group: the engine of rollout rank 2 never reached the refit rendezvous within "
                              r"refit.timeout_seconds=2; the trainer's sender: not every engine worker joined")])
-def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(tmp_path, behaviour, error, match):
+def test_rebuilding_the_refit_group_names_the_engine_that_cannot_join(behaviour, error, match):
     """After an engine died mid-broadcast, the trainer rebuilds the group for its retry; that engine
     cannot join. The job stops within the refit timeout with an error naming it (RefitCoordinator.open_group
     on a real controller socket, a real gloo rendezvous and one real joining worker)."""
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
     cfg = MoltConfig()
-    cfg.data.train_path, cfg.rollout.prompts_per_step, cfg.refit.timeout_seconds = str(tmp_path / "train.jsonl"), 1, 2
+    cfg.refit.timeout_seconds = 2
     router = Router("127.0.0.1")
     ranks = {1: "join", 2: behaviour}
     threads = [threading.Thread(target=_rollout_rank_joining, args=(router.address, rank, how), daemon=True)
@@ -570,16 +568,14 @@ class ProtocolJob:
     trainer rank, the real gloo RefitSender) and rollout ranks (real RolloutService and RolloutEngine)
     whose engines are ProtocolLLMs."""
 
-    def __init__(self, tmp_path, engines: list[ProtocolLLM], timeout_seconds: float, max_attempts: int):
+    def __init__(self, engines: list[ProtocolLLM], timeout_seconds: float, max_attempts: int):
         import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401  (the receive's import: seconds)
 
         from molt.rollout.engine import RolloutEngine
         from molt.refit.gloo import GlooEngineSync
         from molt.rollout.rank import RolloutService
 
-        (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
         cfg = MoltConfig()
-        cfg.data.train_path, cfg.rollout.prompts_per_step = str(tmp_path / "train.jsonl"), 1
         cfg.refit.timeout_seconds, cfg.refit.max_attempts = timeout_seconds, max_attempts
         self.router = Router("127.0.0.1")
         ranks = list(range(1, len(engines) + 1))
@@ -615,8 +611,7 @@ def _times(llm: ProtocolLLM, what: str) -> list[float]:
     return [at for at, name in llm.log if name == what]
 
 
-def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_and_the_retry_includes_it(
-        tmp_path):
+def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_and_the_retry_includes_it():
     """RELIABILITY 34 (issue 27, finding 9). Engine 3 pauses only after the attempt's deadline. The
     controller says 'refit_cancel' at the deadline: engines 1 and 2, paused since the start, drop the
     group at once without receiving anything and resume on their old weights under their old label,
@@ -626,7 +621,7 @@ def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_
     receivers = [LoadingReceiver() for _ in range(3)]
     engines = [ProtocolLLM(receivers[0]), ProtocolLLM(receivers[1]),
                ProtocolLLM(receivers[2], pause_seconds=1.5 * timeout)]  # pauses after the deadline
-    job = ProtocolJob(tmp_path, engines, timeout_seconds=timeout, max_attempts=2)
+    job = ProtocolJob(engines, timeout_seconds=timeout, max_attempts=2)
     try:
         started = time.monotonic()
         job.coordinator.push(version=1)  # returns once every engine loaded version 1
@@ -654,7 +649,7 @@ def test_an_engine_that_misses_the_pause_gets_healthy_engines_cancelled_at_once_
             assert torch.equal(receiver.loaded[name], parameter.detach()), name
 
 
-def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine_serves_a_mix(tmp_path):
+def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine_serves_a_mix():
     """Both engines pause and get 'refit_go'; engine 2's worker dies after the first bucket. The
     attempt fails naming it; the retry cannot rebuild the group (its engine is dead) and the job
     stops naming it, within the attempt's and the join's timeouts. Engine 1 either loaded everything
@@ -662,7 +657,7 @@ def test_an_engine_that_dies_mid_broadcast_stops_the_job_naming_it_and_no_engine
     timeout = 3.0
     receivers = [LoadingReceiver(), LoadingReceiver(die_at_version=1)]
     engines = [ProtocolLLM(receivers[0]), ProtocolLLM(receivers[1])]
-    job = ProtocolJob(tmp_path, engines, timeout_seconds=timeout, max_attempts=2)
+    job = ProtocolJob(engines, timeout_seconds=timeout, max_attempts=2)
     try:
         started = time.monotonic()
         with pytest.raises((RefitError, RolloutRankError), match="rollout-2|rollout rank 2"):

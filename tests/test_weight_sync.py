@@ -490,10 +490,8 @@ def _rollout_rank_replying(address: str, identity: str, replies: list[dict]) -> 
     socket.close(0)
 
 
-def test_the_controller_names_each_engine_that_did_not_acknowledge_the_pause_in_time(tmp_path):
-    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+def test_the_controller_names_each_engine_that_did_not_acknowledge_the_pause_in_time():
     cfg = MoltConfig()
-    cfg.data.train_path, cfg.rollout.prompts_per_step = str(tmp_path / "train.jsonl"), 1
     cfg.refit.timeout_seconds = 1.0
     router = Router("127.0.0.1")
     replies = {1: [{"type": "refit_paused", "rank": 1, "version": 4, "attempt": 1, "error": None},  # a stale one

@@ -85,7 +85,7 @@ class LeadFeed(Feed):
         self.controller, self.metrics = controller, metrics
         self.dp_size, self.layout = dp_size, layout
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        self.controller_stopped = False
+        self.stop_message = ""  # why the job stops for failed rollouts (see close)
 
     def connect(self) -> None:
         self.controller.wait_for_ranks(self.num_trainer_ranks)
@@ -116,19 +116,16 @@ class LeadFeed(Feed):
         return reloaded, BatchInfo(**batch, own=own), micro_batch_counts, metrics
 
     def stop_for_failed_rollouts(self, step: int, rollouts) -> None:
-        """After agent.max_failed_steps steps whose every rollout failed, log this step, stop the rollout
-        ranks, then tell the other trainer ranks (waiting for their batch) to stop too, and raise.
+        """After agent.max_failed_steps steps whose every rollout failed, log this step and raise (the
+        trainer then closes this feed, which stops the rollout ranks and the other trainer ranks).
         Before that, each such step trains on nothing."""
         reason = self.controller.failed_steps.record(rollouts)
         if reason is None:
             return
         self.metrics.log(step, rollouts.metrics([]))
-        message = f"step {step}: {reason}"
-        logger.error("%s; stopping the job", message)
-        self.stop_controller()
-        for rank in range(1, self.num_trainer_ranks):
-            self.controller.mailbox.send_to_trainer_rank(rank, {"type": "stop", "error": message})
-        raise RolloutsFailedError(message)
+        self.stop_message = f"step {step}: {reason}"
+        logger.error("%s; stopping the job", self.stop_message)
+        raise RolloutsFailedError(self.stop_message)
 
     def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
         """It runs before the next step's rollouts, so the next refit waits for it; the other trainer
@@ -147,14 +144,12 @@ class LeadFeed(Feed):
     def load_state_dict(self, state: dict) -> None:
         self.controller.load_state_dict(state)
 
-    def stop_controller(self) -> None:
-        if not self.controller_stopped:
-            self.controller_stopped = True
-            self.controller.close()
-
     def close(self) -> None:
         super().close()
-        self.stop_controller()
+        self.controller.close()  # the rollout ranks stop first (it waits for them)
+        if self.stop_message:  # rollouts failed: the other trainer ranks wait for their batch
+            for rank in range(1, self.num_trainer_ranks):
+                self.controller.mailbox.send_to_trainer_rank(rank, {"type": "stop", "error": self.stop_message})
 
 
 class FollowerFeed(Feed):

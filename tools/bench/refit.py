@@ -252,14 +252,6 @@ class TimedCoordinator(RefitCoordinator):
         return failure
 
 
-def build_refit_role(cfg: MoltConfig, model: torch.nn.Module, mailbox: Mailbox | None):
-    """This trainer rank's refit role, as Trainer builds it: the (timed) coordinator on rank 0."""
-    if mailbox is not None:
-        return TimedCoordinator(cfg, model, mailbox)
-    sender = build_sender(cfg, model, is_sender=False, device=torch.device("cpu"))
-    return RefitFollower(cfg, sender, group=dist.group.WORLD, device=torch.device("cpu"))
-
-
 def build_trainer_model(layout: str, cfg: MoltConfig, rank: int) -> torch.nn.Module | None:
     """The model as this trainer rank holds it in `layout` (None: this rank sits the layout out)."""
     if layout == "plain":
@@ -319,7 +311,10 @@ def run_trainer_rank(rank: int, port: int, model_dir: str, args, results) -> Non
         for bucket_megabytes in args.bucket_megabytes:
             if model is not None:
                 cfg = trainer_config(model_dir, layout, bucket_megabytes, args.timeout_seconds)
-                record = bench_bucket_size(build_refit_role(cfg, model, mailbox), args, version)
+                refit = (TimedCoordinator(cfg, model, mailbox) if rank == 0 else  # this rank's role, as Trainer's
+                         RefitFollower(cfg, build_sender(cfg, model, is_sender=False, device=torch.device("cpu")),
+                                       group=dist.group.WORLD, device=torch.device("cpu")))
+                record = bench_bucket_size(refit, args, version)
                 if record is not None:
                     results.put({"layout": layout, "bucket_megabytes": bucket_megabytes, **record})
             version += args.refits + 1
