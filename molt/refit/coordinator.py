@@ -4,8 +4,8 @@ On rank 0, `RefitCoordinator` runs the protocol with the engines through rank 0'
 (molt.transport.mailbox, handed in by molt.train): it opens the refit group, asks the engines to pause,
 says 'refit_go' or 'refit_cancel', waits for their confirmations, retries a failed attempt on a rebuilt
 group up to refit.max_attempts, tells the other trainer ranks how each attempt went, and scores the
-refit check's probe on the engines. On ranks 1.., `RefitFollower` runs the FSDP2
-gathers of every attempt (the sender's weights are sharded over all trainer ranks) and learns the outcome.
+refit check's probe on the engines. On ranks 1.., `RefitFollower` runs the FSDP2 gathers of every
+attempt (the sender's weights are sharded over all trainer ranks) and learns the outcome.
 """
 
 from __future__ import annotations
