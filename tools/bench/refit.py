@@ -12,8 +12,9 @@ one: the sender (refit rank 0) on trainer rank 0, the engine's workers refit ran
 
 What runs unchanged: the trainer ranks' refit roles, `RefitCoordinator` on rank 0 (timed by
 `TimedCoordinator`) and `RefitFollower` on rank 1 (molt.refit.coordinator), as `Trainer` builds them, with
-the coordinator's waits (`await_paused`, `finish_refit`) over rank 0's `Mailbox` and its ZeroMQ `Router`; and on the engine side the rollout rank's message handlers `RolloutService.join_refit`,
-`refit`, `decide_refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused'
+the coordinator's waits (`await_paused`, `finish_refit`) over rank 0's `Mailbox` and its ZeroMQ `Router`;
+and on the engine side the rollout rank's message handlers `RolloutService.join_refit`, `refit`,
+`decide_refit` and `leave_refit`, so one refit is: 'refit' -> pause, prepare -> 'refit_paused'
 -> 'refit_go' once every engine paused -> the trainer ranks gather and the sender broadcasts -> the workers receive and load -> resume ->
 'refit_done'. What differs from a job: no prompt loader, optimizer, payloads or metrics; the rollout
 rank has no agent workers or endpoint and its engine is idle (the pause waits for nothing); the
