@@ -711,6 +711,12 @@ class EvalConfig(ConfigSection):
     success_threshold: float = 1.0
     """A sample whose reward is at least this counts as solved for pass@k."""
 
+    def due(self, step: int) -> bool:
+        """Whether the policy after `step` training steps is evaluated (step 0: the initial policy)."""
+        if not self.every_steps:
+            return False
+        return self.at_start if step == 0 else step % self.every_steps == 0
+
     def check(self) -> list[str]:
         """Ranges only; validate_config checks the eval file when training will evaluate (python -m
         molt.eval checks the file it is given itself)."""

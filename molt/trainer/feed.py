@@ -33,13 +33,11 @@ class RolloutsFailedError(RuntimeError):
 class Feed:
     """What both roles share: reloading this rank's payloads and freeing them."""
 
-    def __init__(self, cfg: MoltConfig, *, tp_size: int, tp_rank: int):
-        self.cfg = cfg
+    def __init__(self, cfg: MoltConfig, payloads: PayloadClient, *, tp_size: int, tp_rank: int):
+        """`payloads`: experiences arrive as light records; each rank fetches its own share's token-axis
+        fields from the payload store of the rollout rank that produced them (DESIGN section 7)."""
+        self.cfg, self.payloads = cfg, payloads
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        # Experiences arrive as light records; each rank fetches its own share's token-axis fields
-        # from the payload store of the rollout rank that produced them (DESIGN section 7).
-        self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
-                                      timeout_seconds=cfg.payloads.fetch_timeout_seconds)
         self.unreleased_payloads: list[PayloadRef] = []  # see reload
 
     def reload(self, experiences: list[Experience]) -> list[Experience]:
@@ -57,9 +55,9 @@ class Feed:
             self.payloads.release(ref)
         self.unreleased_payloads = []
 
-    def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
-        """The eval/* metrics of the policy after `step` steps when eval.every_steps makes it due (rank 0)."""
-        return {}
+    def evaluate(self, step: int, policy_version: int) -> None:
+        """When eval.every_steps makes it due, evaluate the policy after `step` steps on the rollout engines
+        (molt.controller.evaluation) and log the eval/* metrics as a row of that step (rank 0)."""
 
     def sleep_engines(self) -> None:
         """rollout.sleep_while_training: the step's rollouts are in (rank 0 tells the engines)."""
@@ -80,8 +78,9 @@ class LeadFeed(Feed):
 
     def __init__(self, cfg: MoltConfig, controller, *, metrics: MetricsLogger, tp_size: int, tp_rank: int,
                  dp_size: int, layout: str):
-        """`controller`: molt.controller.pool.RolloutController; `layout`: molt.trainer.batch.LAYOUTS."""
-        super().__init__(cfg, tp_size=tp_size, tp_rank=tp_rank)
+        """`controller`: molt.controller.pool.RolloutController, whose payload client this rank shares;
+        `layout`: molt.trainer.batch.LAYOUTS."""
+        super().__init__(cfg, controller.payloads, tp_size=tp_size, tp_rank=tp_rank)
         self.controller, self.metrics = controller, metrics
         self.dp_size, self.layout = dp_size, layout
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
@@ -127,10 +126,17 @@ class LeadFeed(Feed):
         logger.error("%s; stopping the job", self.stop_message)
         raise RolloutsFailedError(self.stop_message)
 
-    def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
+    def evaluate(self, step: int, policy_version: int) -> None:
         """It runs before the next step's rollouts, so the next refit waits for it; the other trainer
-        ranks wait for their batch meanwhile, in no collective."""
-        return self.controller.evaluate_if_due(step, policy_version)
+        ranks wait for their batch meanwhile, in no collective. The row is outside the step's timers."""
+        if not self.cfg.eval.due(step):
+            return
+        metrics, _ = self.controller.run_eval(step, policy_version)
+        k = self.cfg.eval.n_samples
+        logger.info("eval of step %d (policy version %d): avg@%d %.3f, pass@%d %.3f over %d prompts in %.1f s",
+                    step, policy_version, k, metrics[f"eval/avg@{k}"], k, metrics[f"eval/pass@{k}"],
+                    metrics["eval/num_prompts"], metrics["eval/seconds"])
+        self.metrics.log(step, metrics)
 
     def sleep_engines(self) -> None:
         """Each engine frees its GPU memory for the step and wakes at its next refit, rollout or score
@@ -145,8 +151,7 @@ class LeadFeed(Feed):
         self.controller.load_state_dict(state)
 
     def close(self) -> None:
-        super().close()
-        self.controller.close()  # the rollout ranks stop first (it waits for them)
+        self.controller.close()  # the rollout ranks stop first (it waits for them); it closes the payload client
         if self.stop_message:  # rollouts failed: the other trainer ranks wait for their batch
             for rank in range(1, self.num_trainer_ranks):
                 self.controller.mailbox.send_to_trainer_rank(rank, {"type": "stop", "error": self.stop_message})
@@ -157,7 +162,9 @@ class FollowerFeed(Feed):
 
     def __init__(self, cfg: MoltConfig, controller_address: ControllerAddress, *, rank: int, tp_size: int,
                  tp_rank: int):
-        super().__init__(cfg, tp_size=tp_size, tp_rank=tp_rank)
+        payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
+                                 timeout_seconds=cfg.payloads.fetch_timeout_seconds)
+        super().__init__(cfg, payloads, tp_size=tp_size, tp_rank=tp_rank)
         self.controller_address, self.rank = controller_address, rank
 
     def connect(self) -> None:
