@@ -31,6 +31,12 @@ def failing(*rules: tuple[bool, str]) -> list[str]:
     return [message for holds, message in rules if not holds]
 
 
+def raise_config_errors(errors: list[str]) -> None:
+    """One ConfigError listing every error, if there is any."""
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
 class ConfigSection:
     """Base of every config dataclass: assigning a name that is not a field fails, so a recipe typo
     (`cfg.train.lerning_rate = 1e-4`) is refused instead of kept as an attribute nothing reads."""
