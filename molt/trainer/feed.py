@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from molt.config import MoltConfig
+from molt.distributed.parallelize import TrainerMesh
 from molt.metrics import MetricsLogger
 from molt.trace.experience import Experience
 from molt.trainer.batch import share_step_batch
@@ -33,11 +34,11 @@ class RolloutsFailedError(RuntimeError):
 class Feed:
     """What both roles share: reloading this rank's payloads and freeing them."""
 
-    def __init__(self, cfg: MoltConfig, payloads: PayloadClient, *, tp_size: int, tp_rank: int):
+    def __init__(self, cfg: MoltConfig, payloads: PayloadClient, *, mesh: TrainerMesh):
         """`payloads`: experiences arrive as light records; each rank fetches its own share's token-axis
-        fields from the payload store of the rollout rank that produced them (DESIGN section 7)."""
-        self.cfg, self.payloads = cfg, payloads
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        fields from the payload store of the rollout rank that produced them (DESIGN section 7).
+        `mesh`: the trainer mesh (molt.distributed.parallelize), whose tp ranks share a share."""
+        self.cfg, self.payloads, self.mesh = cfg, payloads, mesh
         self.unreleased_payloads: list[PayloadRef] = []  # see reload
 
     def reload(self, experiences: list[Experience]) -> list[Experience]:
@@ -45,8 +46,8 @@ class Feed:
         tensor parallelism, where every rank of a tensor-parallel group reloads the same share, by the
         group's first rank after the step's training (`release`): its collectives have then made sure
         the others hold their copies."""
-        consume = self.tp_size == 1
-        if not consume and self.tp_rank == 0:
+        consume = self.mesh.tp_size == 1
+        if not consume and self.mesh.tp_rank == 0:
             self.unreleased_payloads += [PayloadRef.from_dict(e.payload) for e in experiences if e.payload is not None]
         return [reload_record(self.payloads, e, consume=consume) if e.payload is not None else e for e in experiences]
 
@@ -76,13 +77,11 @@ class LeadFeed(Feed):
     """Rank 0: collects each step's rollouts from the controller, assembles the batch, sends each
     trainer rank its share, keeps its own."""
 
-    def __init__(self, cfg: MoltConfig, controller, *, metrics: MetricsLogger, tp_size: int, tp_rank: int,
-                 dp_size: int, layout: str):
+    def __init__(self, cfg: MoltConfig, controller, *, metrics: MetricsLogger, mesh: TrainerMesh, layout: str):
         """`controller`: molt.controller.pool.RolloutController, whose payload client this rank shares;
         `layout`: molt.trainer.batch.LAYOUTS."""
-        super().__init__(cfg, controller.payloads, tp_size=tp_size, tp_rank=tp_rank)
-        self.controller, self.metrics = controller, metrics
-        self.dp_size, self.layout = dp_size, layout
+        super().__init__(cfg, controller.payloads, mesh=mesh)
+        self.controller, self.metrics, self.layout = controller, metrics, layout
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
         self.stop_message = ""  # why the job stops for failed rollouts (see close)
 
@@ -94,12 +93,12 @@ class LeadFeed(Feed):
         self.stop_for_failed_rollouts(step, rollouts)
         experiences = [e for group in rollouts.groups for e in group]
         shares, micro_batch_counts = share_step_batch(
-            experiences, num_ranks=self.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
+            experiences, num_ranks=self.mesh.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch, layout=self.layout)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences], segment_indices=[e.segment_index for e in experiences])
         for rank in range(1, self.num_trainer_ranks):
-            share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
+            share = shares[rank // self.mesh.tp_size]  # trainer rank r: data-parallel index r // tp
             self.controller.mailbox.send_to_trainer_rank(rank, {
                 "type": "batch", "experiences": [experiences[i].to_dict() for i in share],
                 "info": BatchInfo(**batch, own=share).to_dict(), "micro_batch_counts": micro_batch_counts})
@@ -160,11 +159,10 @@ class LeadFeed(Feed):
 class FollowerFeed(Feed):
     """Trainer ranks 1..: receive this rank's share from rank 0 and reload its payloads."""
 
-    def __init__(self, cfg: MoltConfig, controller_address: ControllerAddress, *, rank: int, tp_size: int,
-                 tp_rank: int):
+    def __init__(self, cfg: MoltConfig, controller_address: ControllerAddress, *, rank: int, mesh: TrainerMesh):
         payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
                                  timeout_seconds=cfg.payloads.fetch_timeout_seconds)
-        super().__init__(cfg, payloads, tp_size=tp_size, tp_rank=tp_rank)
+        super().__init__(cfg, payloads, mesh=mesh)
         self.controller_address, self.rank = controller_address, rank
 
     def connect(self) -> None:

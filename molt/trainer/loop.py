@@ -53,8 +53,6 @@ class Trainer:
         self.device = device
         self.reports = controller is not None  # the lead logs the job's metrics, progress and warnings
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        # Trainer rank r is tensor-parallel rank r % tp of data-parallel rank r // tp (molt.distributed.parallelize).
-        self.tp_size, self.tp_rank, self.dp_size = mesh.tp_size, mesh.tp_rank, mesh.dp_size
         policy = build_policy(cfg, mesh=mesh, device=device, num_steps=cfg.train.num_steps,
                               temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
         self.actor, self.pad_token_id = policy.actor, policy.pad_token_id
@@ -73,11 +71,10 @@ class Trainer:
                                      total_steps=cfg.train.num_steps, enabled=self.reports)
         # Each rank's roles, chosen once (molt.trainer.feed, molt.refit.coordinator).
         if controller is not None:
-            self.feed = LeadFeed(cfg, controller, metrics=self.metrics, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                                 dp_size=self.dp_size, layout=self.micro_batch_layout)
+            self.feed = LeadFeed(cfg, controller, metrics=self.metrics, mesh=mesh, layout=self.micro_batch_layout)
             self.refit = RefitCoordinator(cfg, sender, controller.mailbox, host=host, group=group, device=device)
         else:
-            self.feed = FollowerFeed(cfg, controller_address, rank=rank, tp_size=self.tp_size, tp_rank=self.tp_rank)
+            self.feed = FollowerFeed(cfg, controller_address, rank=rank, mesh=mesh)
             self.refit = RefitFollower(cfg, sender, group=group, device=device)
         self.policy_version = 0
         self.skipped_nonfinite_steps = 0  # steps whose loss or gradient norm was not finite
