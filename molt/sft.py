@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from molt.config import ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, field_type_errors, load_config
+from molt.config import (ConfigError, MoltConfig, build_arg_parser, check_cpu_offload, failing, field_type_errors,
+                         load_config, raise_config_errors)
 from molt.distributed.devices import resolve_device, trainer_device_type
 from molt.distributed.slurm import map_slurm_environment
 from molt.metrics import configure_logging
@@ -297,32 +298,26 @@ def is_up_to_date(cfg: MoltConfig) -> bool:
 def validate_sft_config(cfg: MoltConfig, world_size: int) -> None:
     """What a SFT run needs (a ConfigError naming the field): every process is a trainer rank, the
     train and sft sections' ranges, and the model and data files."""
-    errors = field_type_errors(cfg)
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            errors.append(message)
-
-    check(bool(cfg.model.path) and Path(cfg.model.path, "config.json").is_file(),
-          f"model.path={cfg.model.path!r} has no config.json: point it at the Hugging Face model directory to train")
-    check(bool(cfg.sft.data_path) and Path(cfg.sft.data_path).is_file(),
-          f"sft.data_path={cfg.sft.data_path!r} is not a file: point it at .jsonl or .parquet chat rows")
-    check(cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0")
-    check(cfg.layout.trainer_context_parallel_size == 1,
-          f"layout.trainer_context_parallel_size={cfg.layout.trainer_context_parallel_size}: molt.sft does not "
-          f"shard sequences; set 1")
+    raise_config_errors(field_type_errors(cfg))
+    errors = failing(
+        (bool(cfg.model.path) and Path(cfg.model.path, "config.json").is_file(),
+         f"model.path={cfg.model.path!r} has no config.json: point it at the Hugging Face model directory to train"),
+        (bool(cfg.sft.data_path) and Path(cfg.sft.data_path).is_file(),
+         f"sft.data_path={cfg.sft.data_path!r} is not a file: point it at .jsonl or .parquet chat rows"),
+        (cfg.seed >= 0, f"seed={cfg.seed}: must be >= 0"),
+        (cfg.layout.trainer_context_parallel_size == 1,
+         f"layout.trainer_context_parallel_size={cfg.layout.trainer_context_parallel_size}: molt.sft does not "
+         f"shard sequences; set 1"))
     # Every process of a SFT job trains.
     errors += dataclasses.replace(cfg.layout, num_trainer_ranks=world_size).trainer_mesh_errors()
     errors += cfg.train.check() + cfg.sft.check() + cfg.checkpoint.check()
-    check(cfg.sft.num_steps == 0 or cfg.train.warmup_steps <= cfg.sft.num_steps,
-          f"train.warmup_steps={cfg.train.warmup_steps}: must be at most sft.num_steps={cfg.sft.num_steps}")
-    check(cfg.algorithm.router_aux_loss_coef is None or cfg.algorithm.router_aux_loss_coef >= 0,
-          f"algorithm.router_aux_loss_coef={cfg.algorithm.router_aux_loss_coef}: must be >= 0 (0 = off), or None "
-          f"for the model config's router_aux_loss_coef")
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    errors += failing(
+        (cfg.sft.num_steps == 0 or cfg.train.warmup_steps <= cfg.sft.num_steps,
+         f"train.warmup_steps={cfg.train.warmup_steps}: must be at most sft.num_steps={cfg.sft.num_steps}"),
+        (cfg.algorithm.router_aux_loss_coef is None or cfg.algorithm.router_aux_loss_coef >= 0,
+         f"algorithm.router_aux_loss_coef={cfg.algorithm.router_aux_loss_coef}: must be >= 0 (0 = off), or None "
+         f"for the model config's router_aux_loss_coef"))
+    raise_config_errors(errors)
     check_cpu_offload(cfg, trainer_device_type(cfg.device))
 
 

@@ -206,7 +206,7 @@ def run(cfg: MoltConfig, rank: int, world_size: int, *, prompt_rows: list[Prompt
             # Rank 0's roles: the rollout controller, which its batch feed and refit coordinator drive.
             controller = RolloutController(cfg, Mailbox(router, rollout_ranks), prompt_rows=prompt_rows)
             Trainer(cfg, rank=rank, group=trainer_group, mesh=mesh, device=device, host=host,
-                    controller_address=router.address, controller=controller).train()
+                    controller=controller).train()
             logger.info("done; metrics in %s", os.path.join(cfg.output_dir, "metrics.jsonl"))
         else:
             address = ControllerAddress.from_bytes(store.get(CONTROLLER_KEY))

@@ -112,7 +112,7 @@ def test_micro_batches_padded_to_requested_count():
 
 
 def test_a_rollout_with_several_segments_counts_once_in_its_group():
-    from molt.trainer.batch import compute_experience_advantages
+    from molt.trainer.batch import compute_group_advantages
 
     def segment(rollout_id, group_id, reward, index=0):
         return Experience(token_ids=[1, 2], action_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
@@ -122,7 +122,8 @@ def test_a_rollout_with_several_segments_counts_once_in_its_group():
     # Group 0: rollout 0 (reward 1, three segments) and rollout 1 (reward 0, one segment).
     experiences = [segment(0, 0, 1.0, 0), segment(0, 0, 1.0, 1), segment(0, 0, 1.0, 2), segment(1, 0, 0.0),
                    segment(2, 1, 0.5), segment(3, 1, 0.5)]
-    advantages = compute_experience_advantages(experiences)
+    advantages = compute_group_advantages([e.rollout_id for e in experiences], [e.group_id for e in experiences],
+                                          [e.reward for e in experiences], estimator="grpo")
     # Counted once: mean 0.5, unbiased std of [1, 0] = 0.7071 -> +-0.7071 (not the 3:1 weighting).
     expected = 0.5 / (2 ** -0.5 + 1e-6)
     assert advantages[:4] == pytest.approx([expected, expected, expected, -expected], rel=1e-9)

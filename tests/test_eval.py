@@ -10,7 +10,7 @@ import pytest
 
 from molt.agents.base import RolloutOutcome
 from molt.config import ConfigError, MoltConfig
-from molt.controller.evaluation import (EvalSample, build_eval_requests, compute_eval_metrics, eval_due, pass_at,
+from molt.controller.evaluation import (EvalSample, build_eval_requests, compute_eval_metrics, pass_at,
                                         sample_from_outcome, split_eval_rows)
 from molt.controller.pool import RolloutController
 from molt.controller.prompts import PromptDataset, PromptRow, load_prompt_rows
@@ -41,7 +41,7 @@ def _config(tmp_path, num_rows: int = 10, **eval_fields) -> MoltConfig:
 def test_eval_is_due_every_n_steps_and_at_the_start(every, at_start, due):
     cfg = MoltConfig()
     cfg.eval.every_steps, cfg.eval.at_start = every, at_start
-    assert [step for step in range(7) if eval_due(step, cfg.eval)] == due
+    assert [step for step in range(7) if cfg.eval.due(step)] == due
 
 
 def _naive_pass_at(results: list[bool], j: int) -> float:

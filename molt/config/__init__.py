@@ -19,6 +19,6 @@ from molt.config.resolve import (checkpoint_bytes, count_engines_per_node, engin
 from molt.config.schema import (DEFAULT_GPU_ENGINE_MEMORY_FRACTION, DEFAULT_KV_CACHE_GIGABYTES, GROUP_ESTIMATORS,
                                 AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, ConfigSection,
                                 DataConfig, EvalConfig, LayoutConfig, MetricsConfig, ModelConfig, MoltConfig,
-                                PayloadConfig, RefitConfig, RolloutConfig, SFTConfig, TrainConfig,
-                                parse_activation_checkpointing)
+                                PayloadConfig, RefitConfig, RolloutConfig, SFTConfig, TrainConfig, failing,
+                                parse_activation_checkpointing, raise_config_errors)
 from molt.config.validate import check_cpu_offload, check_device_options, config_warnings, validate_config

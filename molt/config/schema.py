@@ -31,6 +31,12 @@ def failing(*rules: tuple[bool, str]) -> list[str]:
     return [message for holds, message in rules if not holds]
 
 
+def raise_config_errors(errors: list[str]) -> None:
+    """One ConfigError listing every error, if there is any."""
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
 class ConfigSection:
     """Base of every config dataclass: assigning a name that is not a field fails, so a recipe typo
     (`cfg.train.lerning_rate = 1e-4`) is refused instead of kept as an attribute nothing reads."""
@@ -710,6 +716,12 @@ class EvalConfig(ConfigSection):
     """max_tokens of each eval generation (0 = rollout.max_response_tokens)."""
     success_threshold: float = 1.0
     """A sample whose reward is at least this counts as solved for pass@k."""
+
+    def due(self, step: int) -> bool:
+        """Whether the policy after `step` training steps is evaluated (step 0: the initial policy)."""
+        if not self.every_steps:
+            return False
+        return self.at_start if step == 0 else step % self.every_steps == 0
 
     def check(self) -> list[str]:
         """Ranges only; validate_config checks the eval file when training will evaluate (python -m

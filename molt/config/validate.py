@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from molt.config.fields import field_type_errors
-from molt.config.schema import GROUP_ESTIMATORS, ConfigError, MoltConfig, failing
+from molt.config.schema import GROUP_ESTIMATORS, ConfigError, MoltConfig, failing, raise_config_errors
 
 
 def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_files: bool = True) -> None:
@@ -17,17 +17,15 @@ def validate_config(cfg: MoltConfig, world_size: int | None = None, *, require_f
 
     `require_files=False` (--dry-run) skips the existence checks of model.path, data.train_path and
     agent.path, which need only be there at run time."""
-    errors = field_type_errors(cfg)
-    if errors:  # the range checks below compare values and would fail on a value of the wrong type
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    # The range checks below compare values and would fail on a value of the wrong type.
+    raise_config_errors(field_type_errors(cfg))
     errors = cfg.check() + cross_section_errors(cfg, world_size) + missing_file_errors(cfg, require_files)
     if cfg.device != "auto":  # with auto, molt.train checks once it knows where the trainer computes
         try:
             check_device_options(cfg, cfg.device)
         except ConfigError as error:
             errors.append(str(error))
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    raise_config_errors(errors)
 
 
 def missing_file_errors(cfg: MoltConfig, require_files: bool) -> list[str]:

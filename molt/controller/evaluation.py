@@ -21,17 +21,10 @@ import statistics
 from dataclasses import dataclass, field
 
 from molt.agents.base import RolloutOutcome
-from molt.config import ConfigError, EvalConfig, MoltConfig
+from molt.config import ConfigError, MoltConfig
 from molt.controller.prompts import PromptRow, load_prompt_rows
 
 EVAL_SEED_SALT = 0x6576616C  # keeps eval seeds apart from other seeds derived from the run's seed
-
-
-def eval_due(step: int, evaluation: EvalConfig) -> bool:
-    """Whether the policy after `step` training steps is evaluated (step 0: the initial policy)."""
-    if not evaluation.every_steps:
-        return False
-    return evaluation.at_start if step == 0 else step % evaluation.every_steps == 0
 
 
 def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[PromptRow], list[PromptRow]]:
@@ -72,22 +65,27 @@ def eval_sample_seed(run_seed: int, prompt_position: int, sample_index: int) -> 
     return hash((run_seed, EVAL_SEED_SALT, prompt_position, sample_index)) & (2**63 - 1)
 
 
+def build_rollout_request(cfg: MoltConfig, row: PromptRow, *, group_id: int, sample_index: int, sampling: dict,
+                          policy_version: int) -> dict:
+    """One rollout request as the wire carries it, without its rollout_id: the row's prompt, the
+    `sampling` settings (molt.rollout.engine's SamplingParams) and the run's length and turn limits.
+    Training's (molt.controller.pool) and the eval's requests differ only in their ids and sampling."""
+    return {"group_id": group_id, "sample_index": sample_index,
+            "messages": row.messages, "label": row.label, "tools": row.tools, "sampling": sampling,
+            "max_length": cfg.rollout.max_length, "max_turns": cfg.agent.max_turns,
+            "policy_version": policy_version, "metadata": row.metadata, "images": row.images}
+
+
 def build_eval_requests(cfg: MoltConfig, rows: list[PromptRow], policy_version: int) -> list[dict]:
     """One rollout request (the wire dict, without rollout_id) per eval sample: eval.n_samples per
     row, the row's position as group_id, the eval sampling settings and the sample's seed."""
-    evaluation, rollout = cfg.eval, cfg.rollout
-    max_tokens = evaluation.max_response_tokens or rollout.max_response_tokens
-    requests = []
-    for position, row in enumerate(rows):
-        for sample_index in range(evaluation.n_samples):
-            requests.append({
-                "group_id": position, "sample_index": sample_index,
-                "messages": row.messages, "label": row.label, "tools": row.tools,
-                "sampling": {"max_tokens": max_tokens, "temperature": evaluation.temperature,
-                             "top_p": evaluation.top_p, "seed": eval_sample_seed(cfg.seed, position, sample_index)},
-                "max_length": rollout.max_length, "max_turns": cfg.agent.max_turns,
-                "policy_version": policy_version, "metadata": row.metadata, "images": row.images})
-    return requests
+    evaluation = cfg.eval
+    max_tokens = evaluation.max_response_tokens or cfg.rollout.max_response_tokens
+    return [build_rollout_request(cfg, row, group_id=position, sample_index=sample_index, policy_version=policy_version,
+                                  sampling={"max_tokens": max_tokens, "temperature": evaluation.temperature,
+                                            "top_p": evaluation.top_p,
+                                            "seed": eval_sample_seed(cfg.seed, position, sample_index)})
+            for position, row in enumerate(rows) for sample_index in range(evaluation.n_samples)]
 
 
 @dataclass(kw_only=True)

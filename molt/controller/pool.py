@@ -43,8 +43,8 @@ from molt.agents.base import RolloutOutcome
 from molt.config import AgentConfig, MoltConfig, engine_start_limit_seconds
 from molt.console import Heartbeat
 from molt.controller.engine_router import EngineRouter, estimate_rollout_tokens
-from molt.controller.evaluation import (EvalRun, EvalSample, build_eval_requests, compute_eval_metrics, eval_due,
-                                        split_eval_rows)
+from molt.controller.evaluation import (EvalRun, EvalSample, build_eval_requests, build_rollout_request,
+                                        compute_eval_metrics, split_eval_rows)
 from molt.controller.prompts import PromptRow, build_prompt_loader, load_prompt_rows
 from molt.trace.experience import Experience
 from molt.transport.dispatch import decode_outcome
@@ -98,24 +98,16 @@ class StepRollouts:
     rank_metrics: dict[str, float] = field(default_factory=dict)
 
     def merge(self, later: StepRollouts) -> None:
-        """Add later groups of the same step: they go after these (dispatch order), counts add up."""
-        self.groups += later.groups
-        self.failures.update(later.failures)
-        for reason, example in later.failure_examples.items():
-            self.failure_examples.setdefault(reason, example)
-        self.dropped_groups += later.dropped_groups
-        self.refilled_rollouts += later.refilled_rollouts
-        self.num_rollouts += later.num_rollouts
-        self.ledger.update(later.ledger)
-        self.filtered_groups.update(later.filtered_groups)
-        self.backfill_prompts += later.backfill_prompts
-        self.loop_lag_max_seconds = max(self.loop_lag_max_seconds, later.loop_lag_max_seconds)
-        self.stale_groups += later.stale_groups
-        self.consumed_rollouts += later.consumed_rollouts
-        self.dropped_rollouts.update(later.dropped_rollouts)
-        self.scored_rewards += later.scored_rewards
-        self.trained_prompts += later.trained_prompts
-        self.dropped_prompts += later.dropped_prompts
+        """Add later groups of the same step: they go after these (dispatch order), counts add up; the
+        step's own fields (trained_version, accounting, rank_metrics) are set once, after the merges."""
+        for name in MERGED_FIELDS:
+            mine, theirs = getattr(self, name), getattr(later, name)
+            if isinstance(mine, Counter):
+                mine.update(theirs)
+            elif isinstance(mine, dict):  # failure_examples: the first example of each reason stays
+                mine.update({key: value for key, value in theirs.items() if key not in mine})
+            else:  # lists follow in dispatch order, counts add up, the largest lag stays
+                setattr(self, name, max(mine, theirs) if name == "loop_lag_max_seconds" else mine + theirs)
 
     def metrics(self, experiences: list[Experience]) -> dict[str, float]:
         """The step's rollout metrics; `experiences`: those trained on (the groups', or none)."""
@@ -153,6 +145,11 @@ class StepRollouts:
                 infos.setdefault(key, []).append(value)
         metrics.update({f"agent/{k}": statistics.fmean(v) for k, v in infos.items()})
         return metrics
+
+
+# What `StepRollouts.merge` combines: every field but the step's own.
+MERGED_FIELDS = [f.name for f in dataclasses.fields(StepRollouts)
+                 if f.name not in ("trained_version", "accounting", "rank_metrics")]
 
 
 @dataclass
@@ -349,20 +346,16 @@ class RolloutController:
     def dispatch_groups(self, rows: list[PromptRow], policy_version: int) -> None:
         """Dispatch each row as a group of rollout.n_samples_per_prompt single rollouts."""
         cfg = self.cfg
+        sampling = {"max_tokens": cfg.rollout.max_response_tokens, "temperature": cfg.rollout.temperature,
+                    "top_p": cfg.rollout.top_p}
         for row in rows:
             group = GroupInFlight(group_id=self._next_group_id, size=cfg.rollout.n_samples_per_prompt,
                                   dispatch_version=policy_version, row=row)
             self._next_group_id += 1
             self._queue.append(group)
             for sample_index in range(group.size):
-                self.dispatch(group, {
-                    "group_id": group.group_id, "sample_index": sample_index,
-                    "messages": row.messages, "label": row.label, "tools": row.tools,
-                    "sampling": {"max_tokens": cfg.rollout.max_response_tokens,
-                                 "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p},
-                    "max_length": cfg.rollout.max_length, "max_turns": cfg.agent.max_turns,
-                    "policy_version": policy_version, "metadata": row.metadata, "images": row.images,
-                })
+                self.dispatch(group, build_rollout_request(cfg, row, group_id=group.group_id, sample_index=sample_index,
+                                                           sampling=sampling, policy_version=policy_version))
 
     def dispatch(self, group: GroupInFlight, request: dict) -> int:
         """Send one rollout request, under a fresh rollout_id, to the rollout rank the EngineRouter picks."""
@@ -378,17 +371,6 @@ class RolloutController:
         return request["rollout_id"]
 
     # -- evaluation ------------------------------------------------------------------------
-
-    def evaluate_if_due(self, step: int, policy_version: int) -> dict[str, float]:
-        """The eval/* metrics of the policy after `step` steps when eval.every_steps makes it due, else {}."""
-        if not eval_due(step, self.cfg.eval):
-            return {}
-        metrics, _ = self.run_eval(step, policy_version)
-        k = self.cfg.eval.n_samples
-        logger.info("eval of step %d (policy version %d): avg@%d %.3f, pass@%d %.3f over %d prompts in %.1f s",
-                    step, policy_version, k, metrics[f"eval/avg@{k}"], k, metrics[f"eval/pass@{k}"],
-                    metrics["eval/num_prompts"], metrics["eval/seconds"])
-        return metrics
 
     def run_eval(self, step: int, policy_version: int) -> tuple[dict[str, float], list[EvalSample]]:
         """Evaluate the policy the engines serve (trained for `step` steps) on the eval set: dispatch

@@ -138,12 +138,6 @@ def compute_group_advantages(rollout_ids: list[int], group_ids: list[int], rewar
     return [advantage_of[rollout_id] for rollout_id in rollout_ids]
 
 
-def compute_experience_advantages(experiences: list[Experience], estimator: str = "grpo") -> list[float]:
-    """`compute_group_advantages` over the experiences' own rollout ids, groups and rewards."""
-    return compute_group_advantages([e.rollout_id for e in experiences], [e.group_id for e in experiences],
-                                    [e.reward for e in experiences], estimator=estimator)
-
-
 def assign_to_ranks(experiences: list[Experience], num_ranks: int) -> list[list[int]]:
     """Split experience indices over ranks, longest first onto the least-loaded rank.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from molt.config import MoltConfig
+from molt.distributed.parallelize import TrainerMesh
 from molt.metrics import MetricsLogger
 from molt.trace.experience import Experience
 from molt.trainer.batch import share_step_batch
@@ -33,13 +34,11 @@ class RolloutsFailedError(RuntimeError):
 class Feed:
     """What both roles share: reloading this rank's payloads and freeing them."""
 
-    def __init__(self, cfg: MoltConfig, *, tp_size: int, tp_rank: int):
-        self.cfg = cfg
-        self.tp_size, self.tp_rank = tp_size, tp_rank
-        # Experiences arrive as light records; each rank fetches its own share's token-axis fields
-        # from the payload store of the rollout rank that produced them (DESIGN section 7).
-        self.payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
-                                      timeout_seconds=cfg.payloads.fetch_timeout_seconds)
+    def __init__(self, cfg: MoltConfig, payloads: PayloadClient, *, mesh: TrainerMesh):
+        """`payloads`: experiences arrive as light records; each rank fetches its own share's token-axis
+        fields from the payload store of the rollout rank that produced them (DESIGN section 7).
+        `mesh`: the trainer mesh (molt.distributed.parallelize), whose tp ranks share a share."""
+        self.cfg, self.payloads, self.mesh = cfg, payloads, mesh
         self.unreleased_payloads: list[PayloadRef] = []  # see reload
 
     def reload(self, experiences: list[Experience]) -> list[Experience]:
@@ -47,8 +46,8 @@ class Feed:
         tensor parallelism, where every rank of a tensor-parallel group reloads the same share, by the
         group's first rank after the step's training (`release`): its collectives have then made sure
         the others hold their copies."""
-        consume = self.tp_size == 1
-        if not consume and self.tp_rank == 0:
+        consume = self.mesh.tp_size == 1
+        if not consume and self.mesh.tp_rank == 0:
             self.unreleased_payloads += [PayloadRef.from_dict(e.payload) for e in experiences if e.payload is not None]
         return [reload_record(self.payloads, e, consume=consume) if e.payload is not None else e for e in experiences]
 
@@ -57,9 +56,9 @@ class Feed:
             self.payloads.release(ref)
         self.unreleased_payloads = []
 
-    def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
-        """The eval/* metrics of the policy after `step` steps when eval.every_steps makes it due (rank 0)."""
-        return {}
+    def evaluate(self, step: int, policy_version: int) -> None:
+        """When eval.every_steps makes it due, evaluate the policy after `step` steps on the rollout engines
+        (molt.controller.evaluation) and log the eval/* metrics as a row of that step (rank 0)."""
 
     def sleep_engines(self) -> None:
         """rollout.sleep_while_training: the step's rollouts are in (rank 0 tells the engines)."""
@@ -78,12 +77,11 @@ class LeadFeed(Feed):
     """Rank 0: collects each step's rollouts from the controller, assembles the batch, sends each
     trainer rank its share, keeps its own."""
 
-    def __init__(self, cfg: MoltConfig, controller, *, metrics: MetricsLogger, tp_size: int, tp_rank: int,
-                 dp_size: int, layout: str):
-        """`controller`: molt.controller.pool.RolloutController; `layout`: molt.trainer.batch.LAYOUTS."""
-        super().__init__(cfg, tp_size=tp_size, tp_rank=tp_rank)
-        self.controller, self.metrics = controller, metrics
-        self.dp_size, self.layout = dp_size, layout
+    def __init__(self, cfg: MoltConfig, controller, *, metrics: MetricsLogger, mesh: TrainerMesh, layout: str):
+        """`controller`: molt.controller.pool.RolloutController, whose payload client this rank shares;
+        `layout`: molt.trainer.batch.LAYOUTS."""
+        super().__init__(cfg, controller.payloads, mesh=mesh)
+        self.controller, self.metrics, self.layout = controller, metrics, layout
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
         self.stop_message = ""  # why the job stops for failed rollouts (see close)
 
@@ -95,12 +93,12 @@ class LeadFeed(Feed):
         self.stop_for_failed_rollouts(step, rollouts)
         experiences = [e for group in rollouts.groups for e in group]
         shares, micro_batch_counts = share_step_batch(
-            experiences, num_ranks=self.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
+            experiences, num_ranks=self.mesh.dp_size, num_windows=self.cfg.train.mini_batches_per_step,
             max_tokens_per_micro_batch=self.cfg.train.max_tokens_per_micro_batch, layout=self.layout)
         batch = dict(rollout_ids=[e.rollout_id for e in experiences], group_ids=[e.group_id for e in experiences],
                      rewards=[e.reward for e in experiences], segment_indices=[e.segment_index for e in experiences])
         for rank in range(1, self.num_trainer_ranks):
-            share = shares[rank // self.tp_size]  # trainer rank r: data-parallel index r // tp
+            share = shares[rank // self.mesh.tp_size]  # trainer rank r: data-parallel index r // tp
             self.controller.mailbox.send_to_trainer_rank(rank, {
                 "type": "batch", "experiences": [experiences[i].to_dict() for i in share],
                 "info": BatchInfo(**batch, own=share).to_dict(), "micro_batch_counts": micro_batch_counts})
@@ -127,10 +125,17 @@ class LeadFeed(Feed):
         logger.error("%s; stopping the job", self.stop_message)
         raise RolloutsFailedError(self.stop_message)
 
-    def evaluate(self, step: int, policy_version: int) -> dict[str, float]:
+    def evaluate(self, step: int, policy_version: int) -> None:
         """It runs before the next step's rollouts, so the next refit waits for it; the other trainer
-        ranks wait for their batch meanwhile, in no collective."""
-        return self.controller.evaluate_if_due(step, policy_version)
+        ranks wait for their batch meanwhile, in no collective. The row is outside the step's timers."""
+        if not self.cfg.eval.due(step):
+            return
+        metrics, _ = self.controller.run_eval(step, policy_version)
+        k = self.cfg.eval.n_samples
+        logger.info("eval of step %d (policy version %d): avg@%d %.3f, pass@%d %.3f over %d prompts in %.1f s",
+                    step, policy_version, k, metrics[f"eval/avg@{k}"], k, metrics[f"eval/pass@{k}"],
+                    metrics["eval/num_prompts"], metrics["eval/seconds"])
+        self.metrics.log(step, metrics)
 
     def sleep_engines(self) -> None:
         """Each engine frees its GPU memory for the step and wakes at its next refit, rollout or score
@@ -145,8 +150,7 @@ class LeadFeed(Feed):
         self.controller.load_state_dict(state)
 
     def close(self) -> None:
-        super().close()
-        self.controller.close()  # the rollout ranks stop first (it waits for them)
+        self.controller.close()  # the rollout ranks stop first (it waits for them); it closes the payload client
         if self.stop_message:  # rollouts failed: the other trainer ranks wait for their batch
             for rank in range(1, self.num_trainer_ranks):
                 self.controller.mailbox.send_to_trainer_rank(rank, {"type": "stop", "error": self.stop_message})
@@ -155,9 +159,10 @@ class LeadFeed(Feed):
 class FollowerFeed(Feed):
     """Trainer ranks 1..: receive this rank's share from rank 0 and reload its payloads."""
 
-    def __init__(self, cfg: MoltConfig, controller_address: ControllerAddress, *, rank: int, tp_size: int,
-                 tp_rank: int):
-        super().__init__(cfg, tp_size=tp_size, tp_rank=tp_rank)
+    def __init__(self, cfg: MoltConfig, controller_address: ControllerAddress, *, rank: int, mesh: TrainerMesh):
+        payloads = PayloadClient(default_node_id(cfg.payloads.node_id), spill_dir=cfg.payloads.spill_dir or None,
+                                 timeout_seconds=cfg.payloads.fetch_timeout_seconds)
+        super().__init__(cfg, payloads, mesh=mesh)
         self.controller_address, self.rank = controller_address, rank
 
     def connect(self) -> None:

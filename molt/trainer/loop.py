@@ -41,19 +41,18 @@ class NonFiniteTrainingError(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: MoltConfig, *, rank: int, group: dist.ProcessGroup, mesh: TrainerMesh,
-                 device: torch.device, host: str, controller_address: ControllerAddress, controller=None):
+                 device: torch.device, host: str, controller=None, controller_address: ControllerAddress | None = None):
         """`group`: all trainer ranks (control broadcasts, checkpoints, refit gathers); `mesh`: the
         trainer mesh (molt.distributed.parallelize.build_trainer_mesh), whose dp_group sums the data;
-        `controller`: rank 0's molt.controller.pool.RolloutController (None on the other trainer ranks),
-        which makes this rank the lead: its batch feed and refit coordinator drive the rollout ranks."""
+        `controller`: rank 0's molt.controller.pool.RolloutController, which makes this rank the lead: its
+        batch feed and refit coordinator drive the rollout ranks; the other trainer ranks get
+        `controller_address` instead, where the lead's feed sends them their shares."""
         self.cfg = cfg
         self.rank = rank
         self.group = group
         self.device = device
         self.reports = controller is not None  # the lead logs the job's metrics, progress and warnings
         self.num_trainer_ranks = cfg.layout.num_trainer_ranks
-        # Trainer rank r is tensor-parallel rank r % tp of data-parallel rank r // tp (molt.distributed.parallelize).
-        self.tp_size, self.tp_rank, self.dp_size = mesh.tp_size, mesh.tp_rank, mesh.dp_size
         policy = build_policy(cfg, mesh=mesh, device=device, num_steps=cfg.train.num_steps,
                               temperature=cfg.rollout.temperature, routing_replay=cfg.algorithm.routing_replay)
         self.actor, self.pad_token_id = policy.actor, policy.pad_token_id
@@ -72,11 +71,10 @@ class Trainer:
                                      total_steps=cfg.train.num_steps, enabled=self.reports)
         # Each rank's roles, chosen once (molt.trainer.feed, molt.refit.coordinator).
         if controller is not None:
-            self.feed = LeadFeed(cfg, controller, metrics=self.metrics, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                                 dp_size=self.dp_size, layout=self.micro_batch_layout)
+            self.feed = LeadFeed(cfg, controller, metrics=self.metrics, mesh=mesh, layout=self.micro_batch_layout)
             self.refit = RefitCoordinator(cfg, sender, controller.mailbox, host=host, group=group, device=device)
         else:
-            self.feed = FollowerFeed(cfg, controller_address, rank=rank, tp_size=self.tp_size, tp_rank=self.tp_rank)
+            self.feed = FollowerFeed(cfg, controller_address, rank=rank, mesh=mesh)
             self.refit = RefitFollower(cfg, sender, group=group, device=device)
         self.policy_version = 0
         self.skipped_nonfinite_steps = 0  # steps whose loss or gradient norm was not finite
@@ -98,7 +96,7 @@ class Trainer:
             self.metrics.log(0, self.check_refit())
         self.progress.start(first_step)
         for step in range(first_step, self.cfg.train.num_steps + 1):
-            self.evaluate(step - 1)  # the policy the last step made, before this step's rollouts
+            self.feed.evaluate(step - 1, self.policy_version)  # the last step's policy, before this step's rollouts
             started = time.perf_counter()
             with self.timer.stage("rollout"):
                 experiences, info, micro_batch_counts, rollout_metrics = self.next_batch(step)
@@ -139,14 +137,8 @@ class Trainer:
             if stopping:
                 break
         else:
-            self.evaluate(self.cfg.train.num_steps)
+            self.feed.evaluate(self.cfg.train.num_steps, self.policy_version)
         self.shutdown()
-
-    def evaluate(self, step: int) -> None:
-        """When eval.every_steps makes it due, evaluate the policy after `step` steps on the rollout engines
-        (molt.controller.evaluation) and log the eval/* metrics as a row of that step, outside the step's timers."""
-        if metrics := self.feed.evaluate(step, self.policy_version):
-            self.metrics.log(step, metrics)
 
     def check_trace(self, step: int, experiences: list[Experience], windows: list[list[MicroBatch]]) -> StepDiagnostics:
         """The step's diagnostics (molt.trainer.diagnostics), starting with the end-to-end token check: this
