@@ -368,31 +368,28 @@ def test_a_model_vllm_cannot_load_stops_the_job_naming_it(tmp_path, tiny_model_d
     assert f"model.path={str(broken)!r}" in done.stderr
 
 
-TWO_CHAT_AGENTS = str(Path(__file__).parent / "agents" / "two_chat_agents.py")
+CHAT_AGENTS_BY_GROUP = str(Path(__file__).parent / "agents" / "chat_agents_by_group.py")
 
 
-def _two_agents_env(log: Path, *agent_files: Path) -> dict[str, str]:
-    """tests/agents/two_chat_agents.py: even groups run the first agent file, odd groups the second."""
-    return {"MOLT_TEST_AGENTS": ",".join(str(path) for path in agent_files), "MOLT_TEST_AGENT_LOG": str(log)}
+def agents_by_group_env(log: Path, *agents) -> dict[str, str]:
+    """tests/agents/chat_agents_by_group.py: group g runs agent g % len(agents) (a path, or
+    PATH:ATTRIBUTE=VALUE), logging each finished rollout to `log`."""
+    return {"MOLT_TEST_AGENTS": ",".join(str(agent) for agent in agents), "MOLT_TEST_AGENT_LOG": str(log)}
 
 
-def _finished_rollouts(log: Path) -> dict[tuple[str, int], list[int]]:
-    """(agent file stem, policy version at dispatch) -> the groups of its rollouts that ended."""
-    finished: dict[tuple[str, int], list[int]] = {}
-    for line in log.read_text().splitlines():
-        name, version, group = line.split()
-        finished.setdefault((name, int(version)), []).append(int(group))
-    return finished
+def finished_rollouts(log: Path) -> list[dict]:
+    """tests/agents/chat_agents_by_group.py's log: agent, version (at dispatch), group, segments, ledger."""
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_data_dir):
     """Issue 3's two seed programs, unchanged but for `grade`, drive a real training job: one job,
-    half its groups through each (tests/agents/two_chat_agents.py)."""
+    half its groups through each (tests/agents/chat_agents_by_group.py)."""
     out, log, agents = tmp_path / "run", tmp_path / "finished", Path(__file__).parent / "agents"
     done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": TWO_CHAT_AGENTS, "train.num_steps": 2, "rollout.prompts_per_step": 8,
+        "agent.path": CHAT_AGENTS_BY_GROUP, "train.num_steps": 2, "rollout.prompts_per_step": 8,
         "rollout.max_response_tokens": 8, "refit.check_every_steps": 0}),
-        env=_two_agents_env(log, agents / "seed_openai.py", agents / "seed_anthropic.py"))
+        env=agents_by_group_env(log, agents / "seed_openai.py", agents / "seed_anthropic.py"))
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -401,10 +398,10 @@ def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_da
         assert row["rollout/num_groups"] >= 4 and row["train/num_action_tokens"] > 0, row
     # Each program trained at least 2 whole groups of its 4 in each step (synchronous: step s
     # dispatches at policy version s - 1).
-    finished = _finished_rollouts(log)
+    finished = finished_rollouts(log)
     for sdk in ("seed_openai", "seed_anthropic"):
         for version in (0, 1):
-            groups = finished.get((sdk, version), [])
+            groups = [r["group"] for r in finished if (r["agent"], r["version"]) == (sdk, version)]
             assert sum(groups.count(group) == 4 for group in set(groups)) >= 2, (sdk, version, finished)
 
 
@@ -420,8 +417,8 @@ def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, dem
     assert anthropic_recipe == openai_recipe and agent_files[1].name == "addition_tool_anthropic.py"
     out, log = tmp_path / "run", tmp_path / "finished"
     done = _torchrun(2, f"{DEMO}:tool_agent", _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": TWO_CHAT_AGENTS, "train.num_steps": 3, "rollout.max_response_tokens": 8,
-        "algorithm.max_staleness": 1, "rollout.partial_rollout": True}), env=_two_agents_env(log, *agent_files))
+        "agent.path": CHAT_AGENTS_BY_GROUP, "train.num_steps": 3, "rollout.max_response_tokens": 8,
+        "algorithm.max_staleness": 1, "rollout.partial_rollout": True}), env=agents_by_group_env(log, *agent_files))
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
@@ -433,7 +430,7 @@ def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, dem
         assert row["staleness/max"] <= 1, row
     assert [r["rollout/in_flight"] for r in steps] == [16, 16, 0]  # the next step's sessions ran meanwhile
     assert all(gap <= 1e-4 for gap in (r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r))
-    names = {name for name, _ in _finished_rollouts(log)}
+    names = {record["agent"] for record in finished_rollouts(log)}
     assert names == {"addition_tool_openai", "addition_tool_anthropic"}, names
 
 
