@@ -25,8 +25,9 @@ AGENTS = Path(__file__).parent / "agents"
 # with the agent's own temperature (0.7) on its first turn. pydantic-ai has a job of its own: its
 # replies under a grammar carry the masked distribution's log-probs (below), which would raise the
 # shared step's bound on the trainer's mismatch for every agent.
-JOBS = {"four_frameworks": [f"{AGENTS / 'openai_agents_sdk.py'}:api=chat", f"{AGENTS / 'openai_agents_sdk.py'}:api=responses",
-                            AGENTS / "langchain_chat.py", AGENTS / "temperature_override.py"],
+AGENTS_SDK = AGENTS / "openai_agents_sdk.py"
+JOBS = {"four_frameworks": [f"{AGENTS_SDK}:api=chat", f"{AGENTS_SDK}:api=responses", AGENTS / "langchain_chat.py",
+                            AGENTS / "temperature_override.py"],
         "pydantic_ai_chat": [AGENTS / "pydantic_ai_chat.py"]}
 NEW_SEGMENT_REASONS = ("history_rewrite", "template_rewrite", "tools_changed", "version_change")
 GROUPS_PER_AGENT = 2  # a step: each agent's 2 groups of 4 rollouts

@@ -31,7 +31,8 @@ def calculator(wrapper: RunContextWrapper[str]) -> str:
 
 
 class AgentsChatAgent(ChatAgent):
-    api = os.environ.get("MOLT_TEST_AGENTS_API", "chat")  # a class attribute: tests/agents/chat_agents_by_group.py sets it
+    # A class attribute, so tests/agents/chat_agents_by_group.py can run both models in one job.
+    api = os.environ.get("MOLT_TEST_AGENTS_API", "chat")
 
     async def run(self, ctx: ChatContext) -> Result:
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
