@@ -11,7 +11,7 @@ MARKERS="not gpu"
 WORKERS=()
 if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--unit" ]; then
   MARKERS="not gpu and not e2e"
-  WORKERS=(-n 2 --dist loadgroup)
+  WORKERS=(-n 2)
   shift
 fi
 "$PYTHON" -m pytest tests -m "$MARKERS" ${WORKERS[@]+"${WORKERS[@]}"} "$@"

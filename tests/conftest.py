@@ -24,38 +24,13 @@ TIMEOUT_GRACE_SECONDS = 60
 HARD_STOP_KEY = pytest.StashKey[threading.Timer]()
 
 
-# Under pytest-xdist each worker is a session of its own, so a session or module fixture that starts
-# an engine or a job would start once per worker that runs one of its users: the users of each run
-# on one worker (--dist loadgroup; xdist's scope is the group). Torchrun jobs: all in one group, so
-# one job runs at a time and no job's time limits are squeezed by another's.
-SESSION_JOB_FIXTURES = {"straight_run", "evaluating_straight_run"}
-ENGINE_GROUPS = {"engine": "engine", "endpoint": "engine", "moe_engine": "moe_engine",
-                 "vlm_engine": "vlm_engine", "vlm_endpoint": "vlm_engine"}
-
-
-def xdist_group(item) -> str | None:
-    """The xdist group of a test: the shared engine it uses, else "jobs" for an e2e test (it starts
-    engines or jobs itself, or reads a session job), else none: any worker runs it."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    engines = sorted({ENGINE_GROUPS[name] for name in fixtures & ENGINE_GROUPS.keys()})
-    if engines and not fixtures & SESSION_JOB_FIXTURES:
-        return "+".join(engines)
-    if fixtures & SESSION_JOB_FIXTURES or item.get_closest_marker("e2e"):
-        return "jobs"
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker and before xdist reads xdist_group
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """A test that uses the shared engine is e2e whatever its file says, so the fast tier never
-    starts an engine; tests that start engines or torchrun jobs themselves mark their files e2e.
-    Under xdist each test gets its group (xdist_group above)."""
-    grouped = config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup"
+    starts an engine; tests that start engines or torchrun jobs themselves mark their files e2e."""
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
-        if grouped and (group := xdist_group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _descendants(pid: int, started_after_ticks: int = 0) -> list[int]:

@@ -71,8 +71,8 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-# In one pytest process, and in a worker of two (pytest-xdist, as .ci/run runs the suite).
-@pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadgroup")], ids=["one process", "xdist"])
+# In one pytest process, and in a worker of two (pytest-xdist, as launch/test.sh --fast runs the unit tier).
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "xdist"])
 def test_a_test_past_its_time_limit_is_named_with_its_stack_and_its_jobs_are_killed(tmp_path, workers):
     pids = tmp_path / "pids"
     test_file = tmp_path / "test_hanging.py"
