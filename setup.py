@@ -28,7 +28,7 @@ setup(
         # compiles against the installed torch and so needs pip's --no-build-isolation, which an extra
         # cannot ask for (docs/gpu.md has the command).
         "gpu": ["vllm==0.32.*"],
-        # hypothesis: the endpoint's property tests; pytest-xdist: .ci/run's two workers (docs/testing.md);
+        # hypothesis: the endpoint's property tests; pytest-xdist: the fast tier's two workers (docs/testing.md);
         # then the agent frameworks tests/test_frameworks_e2e.py trains through.
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.8", "hypothesis>=6", "openai-agents>=0.24",
                 "langchain-openai>=1.7", "pydantic-ai-slim[openai]>=2.68"],
