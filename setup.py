@@ -28,10 +28,10 @@ setup(
         # compiles against the installed torch and so needs pip's --no-build-isolation, which an extra
         # cannot ask for (docs/gpu.md has the command).
         "gpu": ["vllm==0.32.*"],
-        # hypothesis: the endpoint's property tests; then the agent frameworks tests/test_frameworks_e2e.py
-        # trains through.
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "openai-agents>=0.24", "langchain-openai>=1.7",
-                "pydantic-ai-slim[openai]>=2.68"],
+        # hypothesis: the endpoint's property tests; pytest-xdist: the fast tier's two workers (docs/testing.md);
+        # then the agent frameworks tests/test_frameworks_e2e.py trains through.
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.8", "hypothesis>=6", "openai-agents>=0.24",
+                "langchain-openai>=1.7", "pydantic-ai-slim[openai]>=2.68"],
         # What recipes' agents and data tools grade and generate with (docs/recipes.md): reasoning-gym's
         # procedural tasks and scorers, math-verify for math answers. Neither pulls in torch.
         "recipes": ["reasoning-gym>=0.1.25", "math-verify>=0.9"],

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # noqa: E402
-from shared_jobs import eight_prompts_data, straight_run  # noqa: E402, F401  (session-scoped jobs)
+from shared_jobs import eight_prompts_data, evaluating_straight_run, straight_run  # noqa: E402, F401  (session jobs)
 
 
 # Markers and the default time limit are in pytest.ini.

@@ -94,39 +94,36 @@ def test_molt_eval_evaluates_a_model_and_writes_each_sample(tmp_path, tiny_model
     assert "eval set: 5 prompts x 2 samples" in done.stderr
 
 
-def _train(tmp_path, name: str, tiny_model_dir, demo_data_dir, **fields) -> list[dict]:
-    out = tmp_path / name
-    sets = {"model.path": tiny_model_dir, "data.train_path": Path(demo_data_dir) / "train.jsonl",
-            "metrics.output_dir": out, "train.num_steps": 2, "rollout.prompts_per_step": 4,
-            "rollout.n_samples_per_prompt": 4, "rollout.max_response_tokens": 4, "refit.check_every_steps": 0,
-            "algorithm.max_staleness": 0, "rollout.partial_rollout": False, "train.learning_rate": 1e-3,
-            "algorithm.filter_groups": False, "train.warmup_steps": 0, **fields}
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "molt.train",
-            "--config", DEMO] + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-    done = _run(args)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.timeout(1200)  # two session jobs (tests/shared_jobs.py) of up to 420 s each, if this test starts them
+def test_a_training_job_evaluates_at_the_due_steps_and_trains_as_without_eval(straight_run, evaluating_straight_run):
+    """The session's straight run with evaluation at the start and every 2 steps evaluates at steps 0,
+    2 and 4 and trains on the same prompts with the same numbers as the straight run without it."""
+    from shared_jobs import EVAL_SAMPLES
 
-
-def test_a_training_job_evaluates_at_the_due_steps_and_trains_as_without_eval(tmp_path, tiny_model_dir,
-                                                                                demo_data_dir):
-    evaluated = _train(tmp_path, "with-eval", tiny_model_dir, demo_data_dir, **{
-        "eval.every_steps": 2, "eval.at_start": True, "eval.data_path": Path(demo_data_dir) / "eval.jsonl",
-        "eval.max_prompts": 8, "eval.n_samples": 2, "eval.temperature": 1.0})
-    plain = _train(tmp_path, "without-eval", tiny_model_dir, demo_data_dir, **{"eval.every_steps": 0})
-    evals = [row for row in evaluated if "eval/avg@2" in row]
-    assert [row["step"] for row in evals] == [row["eval/step"] for row in evals] == [0, 2]
+    for job in (straight_run, evaluating_straight_run):
+        assert job.returncode == 0, job.stderr[-4000:]
+    evaluated, plain = (_rows(job.out) for job in (evaluating_straight_run, straight_run))
+    avg, passed = f"eval/avg@{EVAL_SAMPLES}", f"eval/pass@{EVAL_SAMPLES}"
+    evals = [row for row in evaluated if avg in row]
+    assert [row["step"] for row in evals] == [row["eval/step"] for row in evals] == [0, 2, 4]
     for row in evals:
-        assert 0.0 <= row["eval/avg@2"] <= row["eval/pass@2"] <= 1.0, row
+        # The straight run's agent (tests/agents/varied_reward.py) rewards 0, 1 or 2; solved means at
+        # least 1 (eval.success_threshold). avg and pass against the samples: the molt.eval test above.
+        assert 0.0 <= row[avg] <= 2.0 and 0.0 <= row[passed] <= 1.0, row
         assert (row["eval/num_prompts"], row["eval/num_samples"], row["eval/failed"]) == (8.0, 16.0, 0.0), row
         assert row["eval/policy_version"] == row["step"] and row["eval/seconds"] > 0
         assert math.isfinite(row["eval/response_length_mean"])
-    steps = [row for row in evaluated if "train/loss" in row]
-    assert [row["step"] for row in steps] == [row["step"] for row in plain] == [1, 2]
-    for with_eval, without in zip(steps, plain):
+    assert not any(avg in row for row in plain)
+    steps, plain_steps = ([row for row in rows if "train/loss" in row] for rows in (evaluated, plain))
+    assert [row["step"] for row in steps] == [row["step"] for row in plain_steps] == [1, 2, 3, 4]
+    for with_eval, without in zip(steps, plain_steps):
         # The same prompts, samples and update: eval neither took their seeds nor counted as rollouts.
         for key in ("reward/mean", "train/loss", "train/grad_norm", "rollout/num_rollouts",
                     "rollout/dispatched_total", "rollout/response_length_mean"):
             assert with_eval[key] == without[key], (key, with_eval[key], without[key])
-    prompts = [(tmp_path / name / "prompts.jsonl").read_text() for name in ("with-eval", "without-eval")]
+    prompts = [(job.out / "prompts.jsonl").read_text() for job in (evaluating_straight_run, straight_run)]
     assert prompts[0] == prompts[1]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

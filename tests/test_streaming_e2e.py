@@ -26,22 +26,22 @@ def _check_accounting(row: dict) -> None:
     assert row["rollout/dispatched_total"] == row["rollout/consumed_total"] + dropped + row["rollout/in_flight"], row
 
 
-@pytest.mark.timeout(1200)  # two torchrun jobs (one the session's straight run) of up to 420 s each
-def test_max_staleness_zero_is_synchronous_and_reproducible(tmp_path, tiny_model_dir, eight_prompts_data,
-                                                            straight_run):
+@pytest.mark.timeout(1200)  # two session jobs (tests/shared_jobs.py) of up to 420 s each, if this test starts them
+def test_max_staleness_zero_is_synchronous_and_reproducible(straight_run, evaluating_straight_run):
     # max_staleness=0 is the synchronous trainer (tests/test_controller.py pins its dispatches and
-    # batches): with fixed seeds two jobs train on the same samples and log the same numbers. The
-    # first is the session's straight run (tests/shared_jobs.py: varied rewards, 4 steps on 8
-    # prompts, synchronous from _job_sets), the second a job of the very same settings.
-    from test_checkpoint_e2e import NUM_STEPS, straight_sets
+    # batches): with fixed seeds two jobs train on the same samples and log the same numbers. They
+    # are the session's straight run (tests/shared_jobs.py: varied rewards, 4 steps on 8 prompts,
+    # synchronous from _job_sets) and the same run evaluating between steps, which takes no training
+    # seed (tests/test_eval_e2e.py reads the pair for that).
+    from test_checkpoint_e2e import NUM_STEPS
 
-    assert straight_run.returncode == 0, straight_run.stderr[-4000:]
-    out = tmp_path / "second"
-    done = _torchrun(2, DEMO, straight_sets(tiny_model_dir, eight_prompts_data, out))
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert {"algorithm.max_staleness=0", "rollout.partial_rollout=False"} <= set(done.args)
-    # Without the refit check's step-0 row.
-    runs = [[row for row in _rows(run) if row["step"] >= 1] for run in (straight_run.out, out)]
+    for job in (straight_run, evaluating_straight_run):
+        assert job.returncode == 0, job.stderr[-4000:]
+        config = json.loads((job.out / "config.json").read_text())
+        assert (config["algorithm"]["max_staleness"], config["rollout"]["partial_rollout"]) == (0, False)
+    # Training rows only: without the refit check's step-0 row and the eval rows.
+    runs = [[row for row in _rows(job.out) if row["step"] >= 1 and "train/loss" in row]
+            for job in (straight_run, evaluating_straight_run)]
     keys = ("reward/mean", "rollout/tokens", "train/loss", "train/grad_norm", "train/mismatch_kl")
     first, second = ([{key: row[key] for key in keys} for row in rows] for rows in runs)
     assert len(first) == NUM_STEPS and first == second

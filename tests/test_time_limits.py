@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 HANGING = '''
@@ -69,11 +71,13 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_test_past_its_time_limit_is_named_with_its_stack_and_its_jobs_are_killed(tmp_path):
+# In one pytest process, and in a worker of two (pytest-xdist, as launch/test.sh --fast runs the unit tier).
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "xdist"])
+def test_a_test_past_its_time_limit_is_named_with_its_stack_and_its_jobs_are_killed(tmp_path, workers):
     pids = tmp_path / "pids"
     test_file = tmp_path / "test_hanging.py"
     test_file.write_text(HANGING.format(pids=str(pids)))
-    done = _pytest(test_file, "-q")
+    done = _pytest(test_file, "-q", *workers)
     assert done.returncode == 1, done.stdout[-4000:]
     assert "FAILED test_hanging.py::test_a_job_that_hangs - Failed: Timeout (>2.0s)" in done.stdout
     assert "Failed: Timeout (>2.0s) from pytest-timeout." in done.stdout

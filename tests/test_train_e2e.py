@@ -172,7 +172,7 @@ def scale_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
 
 # The estimators that run in another test's job, and that job's fixture.
 ESTIMATOR_JOBS = {"grpo": "two_trainers_job", "dr_grpo": "drop_job", "rloo": "faults_job",
-                  "group_mean": "scale_job"}
+                  "group_mean": "scale_job", "gae": "refit_faults_job"}
 
 
 def test_two_trainers_and_one_engine_train_three_steps(two_trainers_job):
@@ -196,22 +196,31 @@ def test_two_trainers_and_one_engine_train_three_steps(two_trainers_job):
     assert json.loads((out / "config.json").read_text())["layout"]["num_trainer_ranks"] == 2
 
 
-def test_a_failed_refit_names_the_engine_within_one_timeout_and_the_retry_loads_the_weights(
-        tmp_path, tiny_model_dir, demo_data_dir):
+# The refit fault job's refit.timeout_seconds: the window below (more than one timeout, less than
+# two) then leaves 13 s past the 17 s hang for the rebuild and the retry, generous for a loaded machine.
+REFIT_TIMEOUT_SECONDS = 15
+
+
+@pytest.fixture(scope="module")
+def refit_faults_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """The engine's refit receiver fails version 2's first attempt and hangs in version 3's
+    (test_a_failed_refit_names_the_engine...), 2 trainer ranks, GAE with a clipped critic and
+    sequence-level importance masking on the varied-reward agent."""
+    return _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 3, f"{DEMO}:two_trainers", {
+        "agent.path": VARIED_AGENT, "train.num_steps": 4, "train.learning_rate": 1e-3,
+        "rollout.max_response_tokens": 8, "refit.timeout_seconds": REFIT_TIMEOUT_SECONDS, "refit.check_every_steps": 1,
+        "refit.receiver_cls": "flaky_refit_receiver.FlakyRefitReceiver", **_estimator("gae")}, env={
+        **FLAKY_RECEIVER_ENV, "MOLT_TEST_REFIT_FAULTS": "2:raise,3:hang",
+        "MOLT_TEST_REFIT_HANG_SECONDS": str(REFIT_TIMEOUT_SECONDS + 2)})
+
+
+def test_a_failed_refit_names_the_engine_within_one_timeout_and_the_retry_loads_the_weights(refit_faults_job):
     """The engine fails version 2's first refit attempt (its load raises) and sleeps past
     refit.timeout_seconds in version 3's; each attempt is reported naming the engine, the refit
     group is rebuilt and the retry loads the weights: the refit check after every step matches."""
-    # 15 s: the window below (more than one timeout, less than two) then leaves 13 s past the 17 s hang
-    # for the rebuild and the retry, generous for a loaded machine.
-    out, timeout = tmp_path / "run", 15
-    sets = _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "train.num_steps": 4, "train.learning_rate": 1e-3, "rollout.max_response_tokens": 8,
-        "refit.timeout_seconds": timeout, "refit.check_every_steps": 1,
-        "refit.receiver_cls": "flaky_refit_receiver.FlakyRefitReceiver"})
-    done = _torchrun(3, f"{DEMO}:two_trainers", sets, env={
-        **FLAKY_RECEIVER_ENV, "MOLT_TEST_REFIT_FAULTS": "2:raise,3:hang", "MOLT_TEST_REFIT_HANG_SECONDS": str(timeout + 2)})
+    done, rows, _ = refit_faults_job
+    timeout = REFIT_TIMEOUT_SECONDS
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["refit/failed_attempts"] for r in steps] == [0, 1, 2, 2]
     failed_load = re.search(r"ERROR refit v2 \(attempt 1\): the engine of rollout rank 2 failed: (.*); rebuilding "
@@ -359,28 +368,57 @@ def test_a_model_vllm_cannot_load_stops_the_job_naming_it(tmp_path, tiny_model_d
     assert f"model.path={str(broken)!r}" in done.stderr
 
 
-@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_data_dir, sdk):
-    """Issue 3's two seed programs, unchanged but for `grade`, drive a real training job."""
-    out = tmp_path / "run"
-    agent = Path(__file__).parent / "agents" / f"seed_{sdk}.py"
+CHAT_AGENTS_BY_GROUP = str(Path(__file__).parent / "agents" / "chat_agents_by_group.py")
+
+
+def agents_by_group_env(log: Path, *agents) -> dict[str, str]:
+    """tests/agents/chat_agents_by_group.py: group g runs agent g % len(agents) (a path, or
+    PATH:ATTRIBUTE=VALUE), logging each finished rollout to `log`."""
+    return {"MOLT_TEST_AGENTS": ",".join(str(agent) for agent in agents), "MOLT_TEST_AGENT_LOG": str(log)}
+
+
+def finished_rollouts(log: Path) -> list[dict]:
+    """tests/agents/chat_agents_by_group.py's log: agent, version (at dispatch), group, segments, ledger."""
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_the_seed_chat_agents_train_as_written(tmp_path, tiny_model_dir, demo_data_dir):
+    """Issue 3's two seed programs, unchanged but for `grade`, drive a real training job: one job,
+    half its groups through each (tests/agents/chat_agents_by_group.py)."""
+    out, log, agents = tmp_path / "run", tmp_path / "finished", Path(__file__).parent / "agents"
     done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "agent.path": agent, "train.num_steps": 2, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0}))
+        "agent.path": CHAT_AGENTS_BY_GROUP, "train.num_steps": 2, "rollout.prompts_per_step": 8,
+        "rollout.max_response_tokens": 8, "refit.check_every_steps": 0}),
+        env=agents_by_group_env(log, agents / "seed_openai.py", agents / "seed_anthropic.py"))
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:  # a reply whose first token ends the turn has no text block: that rollout fails
-        assert row["drift/first_turn"] == row["rollout/num_rollouts"] == 16
-        assert row["rollout/num_groups"] >= 2 and row["train/num_action_tokens"] > 0, row
+        assert row["drift/first_turn"] == row["rollout/num_rollouts"] == 32
+        assert row["rollout/num_groups"] >= 4 and row["train/num_action_tokens"] > 0, row
+    # Each program trained at least 2 whole groups of its 4 in each step (synchronous: step s
+    # dispatches at policy version s - 1).
+    finished = finished_rollouts(log)
+    for sdk in ("seed_openai", "seed_anthropic"):
+        for version in (0, 1):
+            groups = [r["group"] for r in finished if (r["agent"], r["version"]) == (sdk, version)]
+            assert sum(groups.count(group) == 4 for group in set(groups)) >= 2, (sdk, version, finished)
 
 
-@pytest.mark.parametrize("recipe", ["tool_agent", "tool_agent_anthropic"])
-def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, demo_data_dir, recipe):
-    """The recipes as shipped: streaming (max_staleness 1, partial rollout), sessions through the SDKs."""
-    out = tmp_path / "run"
-    done = _torchrun(2, f"{DEMO}:{recipe}", _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "train.num_steps": 3, "rollout.max_response_tokens": 8, "algorithm.max_staleness": 1,
-        "rollout.partial_rollout": True}))
+def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, demo_data_dir):
+    """The tool_agent recipe as shipped: streaming (max_staleness 1, partial rollout), sessions
+    through the SDKs; half its groups run the OpenAI agent, half the Anthropic one, which is all the
+    tool_agent_anthropic recipe changes (checked below): one job for both recipes."""
+    from molt.config import load_config
+
+    openai_recipe, anthropic_recipe = load_config(f"{DEMO}:tool_agent"), load_config(f"{DEMO}:tool_agent_anthropic")
+    agent_files = [Path(openai_recipe.agent.path), Path(anthropic_recipe.agent.path)]
+    anthropic_recipe.name, anthropic_recipe.agent.path = openai_recipe.name, openai_recipe.agent.path
+    assert anthropic_recipe == openai_recipe and agent_files[1].name == "addition_tool_anthropic.py"
+    out, log = tmp_path / "run", tmp_path / "finished"
+    done = _torchrun(2, f"{DEMO}:tool_agent", _job_sets(tiny_model_dir, demo_data_dir, out, **{
+        "agent.path": CHAT_AGENTS_BY_GROUP, "train.num_steps": 3, "rollout.max_response_tokens": 8,
+        "algorithm.max_staleness": 1, "rollout.partial_rollout": True}), env=agents_by_group_env(log, *agent_files))
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1]
@@ -392,6 +430,8 @@ def test_chat_agent_recipes_train_through_the_sdks(tmp_path, tiny_model_dir, dem
         assert row["staleness/max"] <= 1, row
     assert [r["rollout/in_flight"] for r in steps] == [16, 16, 0]  # the next step's sessions ran meanwhile
     assert all(gap <= 1e-4 for gap in (r["refit/max_abs_logprob_diff"] for r in rows if "refit/max_abs_logprob_diff" in r))
+    names = {record["agent"] for record in finished_rollouts(log)}
+    assert names == {"addition_tool_openai", "addition_tool_anthropic"}, names
 
 
 HUGE_REWARD_AGENT = str(Path(__file__).parent / "agents" / "huge_reward.py")

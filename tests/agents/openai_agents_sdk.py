@@ -31,12 +31,15 @@ def calculator(wrapper: RunContextWrapper[str]) -> str:
 
 
 class AgentsChatAgent(ChatAgent):
+    # A class attribute, so tests/agents/chat_agents_by_group.py can run both models in one job.
+    api = os.environ.get("MOLT_TEST_AGENTS_API", "chat")
+
     async def run(self, ctx: ChatContext) -> Result:
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         settings = ModelSettings(max_tokens=ctx.sampling_params.max_tokens,
                                  temperature=ctx.sampling_params.temperature)
         agent = Agent(name="adder", tools=[calculator], model_settings=settings,
-                      model=MODELS[os.environ.get("MOLT_TEST_AGENTS_API", "chat")](
+                      model=MODELS[self.api](
                           model=ctx.model_name, openai_client=client))
         try:
             result = await Runner.run(agent, list(ctx.messages), context=ctx.prompt, max_turns=MAX_TURNS,
