@@ -89,6 +89,10 @@ def test_stage_timer_accumulates_and_resets():
 
 def test_configure_logging_is_idempotent():
     molt_logger = logging.getLogger("molt")
+    original = list(molt_logger.handlers)
+    # Without the console handler an earlier test in this process may have added (which one runs
+    # first depends on the order, e.g. on pytest-xdist's).
+    molt_logger.handlers = [h for h in original if not getattr(h, "molt_console", False)]
     before = list(molt_logger.handlers)
     try:
         configure_logging(rank=0)
@@ -98,7 +102,7 @@ def test_configure_logging_is_idempotent():
         line = added[0].format(logging.LogRecord("molt", logging.INFO, __file__, 1, "hello", None, None))
         assert line.endswith("[molt r3] INFO hello")
     finally:
-        molt_logger.handlers = before
+        molt_logger.handlers = original
 
 
 def read_wandb_records(path: Path) -> list:
