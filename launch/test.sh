@@ -6,15 +6,15 @@ source "$ROOT/launch/setup_env.sh"
 cd "$ROOT"
 set +e
 # --fast (or --unit): the unit tier, without the tests that start vLLM engines or torchrun jobs
-# (marked e2e; soak tests are e2e too), on two pytest-xdist workers. Markers and time limits: pytest.ini.
+# (marked e2e; soak tests are e2e too). Markers and time limits: pytest.ini. Two pytest-xdist
+# workers, each taking a file (or a group of files sharing a session job) at a time
+# (tests/worker_groups.py); a later -n N overrides it, -n 0 runs in one process.
 MARKERS="not gpu"
-WORKERS=()
 if [ "${1:-}" = "--fast" ] || [ "${1:-}" = "--unit" ]; then
   MARKERS="not gpu and not e2e"
-  WORKERS=(-n 2)
   shift
 fi
-"$PYTHON" -m pytest tests -m "$MARKERS" ${WORKERS[@]+"${WORKERS[@]}"} "$@"
+"$PYTHON" -m pytest tests -m "$MARKERS" -n 2 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures_models import build_cached_demo_data, build_cached_tiny_model  # noqa: E402
 from shared_jobs import eight_prompts_data, evaluating_straight_run, straight_run  # noqa: E402, F401  (session jobs)
+from worker_groups import check_groups, make_scheduler, order_for_workers  # noqa: E402
 
 
 # Markers and the default time limit are in pytest.ini.
@@ -31,6 +32,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+    check_groups(items)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the order the files are handed out in
+        order_for_workers(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With -n: a file, or a group of files sharing a session job or engine, per worker at a time
+    (tests/worker_groups.py)."""
+    return make_scheduler(config, log)
 
 
 def _descendants(pid: int, started_after_ticks: int = 0) -> list[int]:

@@ -170,9 +170,17 @@ def scale_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
         "train.weight_decay": 0.01, "train.no_weight_decay_on": "norms,biases", **_estimator("group_mean")})
 
 
-# The estimators that run in another test's job, and that job's fixture.
+@pytest.fixture(scope="module")
+def multi_turn_job(tmp_path_factory, tiny_model_dir, demo_data_dir):
+    """The multi-turn Env recipe (test_multi_turn_env_recipe_runs), REINFORCE++ with a discount,
+    a k2 KL in the reward and geometric-mean importance masking."""
+    return _shared_job(tmp_path_factory, tiny_model_dir, demo_data_dir, 2, f"{DEMO}:multi_turn", {
+        "train.num_steps": 3, "refit.check_every_steps": 0, **_estimator("reinforce_pp")})
+
+
+# The job each estimator runs in (its fixture's docstring says which test it serves).
 ESTIMATOR_JOBS = {"grpo": "two_trainers_job", "dr_grpo": "drop_job", "rloo": "faults_job",
-                  "group_mean": "scale_job", "gae": "refit_faults_job"}
+                  "group_mean": "scale_job", "reinforce_pp": "multi_turn_job", "gae": "refit_faults_job"}
 
 
 def test_two_trainers_and_one_engine_train_three_steps(two_trainers_job):
@@ -258,15 +266,8 @@ def test_failed_rollouts_drop_their_groups_by_default(drop_job):
 
 
 @pytest.mark.parametrize("estimator", list(OBJECTIVES))
-def test_every_advantage_estimator_trains(request, tmp_path, tiny_model_dir, demo_data_dir, estimator):
-    if estimator in ESTIMATOR_JOBS:  # it ran in another test's job (the fixture's docstring says which)
-        done, rows, out, *_ = request.getfixturevalue(ESTIMATOR_JOBS[estimator])
-    else:
-        out = tmp_path / "run"
-        done = _torchrun(2, DEMO, _job_sets(tiny_model_dir, demo_data_dir, out, **{
-            "agent.path": VARIED_AGENT, "rollout.max_response_tokens": 8, "refit.check_every_steps": 0,
-            "train.learning_rate": 1e-3, **_estimator(estimator)}))
-        rows = _metrics_rows(out)
+def test_every_advantage_estimator_trains(request, estimator):
+    done, rows, out, *_ = request.getfixturevalue(ESTIMATOR_JOBS[estimator])
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads((out / "config.json").read_text())["algorithm"]["advantage_estimator"] == estimator
     rows = [r for r in rows if r["step"] >= 1]  # without the refit check's step-0 row
@@ -325,13 +326,10 @@ def test_agent_workers_survive_a_killed_worker_and_report_a_blocked_loop(faults_
     assert not [pid for pid in {pid for pid, *_ in served} if _alive(pid)], "an agent worker outlived the job"
 
 
-def test_multi_turn_env_recipe_runs(tmp_path, tiny_model_dir, demo_data_dir):
-    out = tmp_path / "run"
-    done = _torchrun(2, f"{DEMO}:multi_turn", _job_sets(tiny_model_dir, demo_data_dir, out, **{
-        "train.num_steps": 2, "refit.check_every_steps": 0}))
+def test_multi_turn_env_recipe_runs(multi_turn_job):
+    done, rows, _ = multi_turn_job
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["reward/mean"]) for r in rows)
 
 
