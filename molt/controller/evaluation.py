@@ -15,6 +15,7 @@ engine's seeds of training requests where they were.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -32,7 +33,7 @@ def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[Prompt
     rows out of training, chosen by the run's seed; they keep their file index (PromptRow.index).
     eval.data_path reads its own file and leaves training whole. eval.max_prompts keeps the first."""
     evaluation = cfg.eval
-    rows = [row if row.index >= 0 else _with_index(row, index) for index, row in enumerate(rows)]
+    rows = [row if row.index >= 0 else dataclasses.replace(row, index=index) for index, row in enumerate(rows)]
     if evaluation.holdout_rows:
         if evaluation.holdout_rows + cfg.rollout.prompts_per_step > len(rows):
             raise ConfigError(f"eval.holdout_rows={evaluation.holdout_rows} leaves {len(rows) - evaluation.holdout_rows} "
@@ -52,11 +53,6 @@ def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[Prompt
     if evaluation.max_prompts:
         eval_rows = eval_rows[:evaluation.max_prompts]
     return training, eval_rows
-
-
-def _with_index(row: PromptRow, index: int) -> PromptRow:
-    return PromptRow(messages=row.messages, label=row.label, tools=row.tools, images=row.images,
-                     metadata=row.metadata, index=index)
 
 
 def eval_sample_seed(run_seed: int, prompt_position: int, sample_index: int) -> int:

@@ -294,11 +294,6 @@ class EpochOrderSampler(Sampler[int]):
         self.num_yielded = self.resume_from = state["num_yielded"]
 
 
-def collate_prompt_rows(rows: list[PromptRow]) -> list[PromptRow]:
-    """Keep a batch as a plain list: rows go to agents as text, never as tensors."""
-    return list(rows)
-
-
 def build_prompt_loader(
     path: str | Path,
     *,
@@ -326,5 +321,5 @@ def build_prompt_loader(
         batch_size=batch_size,
         sampler=EpochOrderSampler(len(dataset), shuffle=shuffle, seed=seed),
         drop_last=drop_last,
-        collate_fn=collate_prompt_rows,
+        collate_fn=list,  # a batch stays a plain list: rows go to agents as text, never as tensors
     )
