@@ -339,14 +339,11 @@ def describe_files(cfg: MoltConfig) -> Iterator[str]:
 
 def describe_prompt_sample(cfg: MoltConfig) -> Iterator[str]:
     """The prompt file's first rows, validated as the job validates every row before it starts."""
-    from molt.controller.prompts import load_prompt_rows
+    from molt.controller.prompts import load_field_rows
 
     if not Path(cfg.data.train_path).is_file():
         return
-    try:
-        rows = load_prompt_rows(cfg.data.train_path, max_rows=PROMPT_SAMPLE_ROWS)
-    except ValueError as error:
-        raise ConfigError(f"data.train_path: {error}") from None
+    rows = load_field_rows("data.train_path", cfg.data.train_path, max_rows=PROMPT_SAMPLE_ROWS)
     yield (f"  data.train_path: the first {len(rows):,} row(s) are valid prompt rows (the job checks every row "
            f"before it starts)")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from molt.agents.base import RolloutOutcome
 from molt.config import ConfigError, MoltConfig
-from molt.controller.prompts import PromptRow, load_prompt_rows
+from molt.controller.prompts import PromptRow, load_field_rows
 
 EVAL_SEED_SALT = 0x6576616C  # keeps eval seeds apart from other seeds derived from the run's seed
 
@@ -44,10 +44,7 @@ def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[Prompt
         eval_rows = [row for position, row in enumerate(rows) if position in held]
     elif evaluation.data_path:
         training = rows
-        try:
-            eval_rows = load_prompt_rows(evaluation.data_path)
-        except ValueError as error:
-            raise ConfigError(f"eval.data_path: {error}") from None
+        eval_rows = load_field_rows("eval.data_path", evaluation.data_path)
     else:
         training, eval_rows = rows, []
     if evaluation.max_prompts:

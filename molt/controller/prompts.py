@@ -21,6 +21,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset, Sampler
 
+from molt.config import ConfigError
 from molt.trace.images import ImageError, check_image, data_uri, has_image_parts
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -188,6 +189,14 @@ def load_prompt_rows(path: str | Path, *, max_rows: int | None = None) -> list[P
         raise ValueError(f"prompt file {path} has no rows")
     logger.info("loaded %d prompt rows from %s", len(rows), path)
     return rows
+
+
+def load_field_rows(field: str, path: str, *, max_rows: int | None = None) -> list[PromptRow]:
+    """`load_prompt_rows` of the file a config field names: a bad file or row is a ConfigError naming `field`."""
+    try:
+        return load_prompt_rows(path, max_rows=max_rows)
+    except ValueError as error:
+        raise ConfigError(f"{field}: {error}") from None
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
