@@ -107,12 +107,8 @@ class Heartbeat:
         self.started = time.monotonic()
         self.due_at = self.started + interval_seconds
 
-    @property
-    def waited_seconds(self) -> float:
-        return time.monotonic() - self.started
-
     def beat(self, message: str) -> None:
-        logger.info("%s (waiting %.0f s)", message, self.waited_seconds)
+        logger.info("%s (waiting %.0f s)", message, time.monotonic() - self.started)
         self.due_at = time.monotonic() + self.interval_seconds
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from molt.config import ConfigError, MoltConfig, validate_config
+from molt.config import ConfigError, MoltConfig, failing, validate_config
 from molt.models.moe import count_experts
 from molt.distributed.placement import Placement, count_per_node, describe_launcher, place_ranks, span
 
@@ -296,27 +296,25 @@ def _check_gpu_memory(cfg: MoltConfig, model: ModelFootprint, needed: float) -> 
         fix = "lower rollout.kv_cache_gigabytes"
     yield (f"GPU memory: {layout.gpu_memory_gigabytes:g} GiB (layout.gpu_memory_gigabytes); a trainer rank needs at "
            f"least {needed / GIB:.2f} GiB; {engine_line}")
-    problems = []
-    if layout.colocate:  # the trainer rank has what the engine on its GPU leaves
-        trainer_share = gpu - budget
+    trainer_share = gpu - budget  # colocated: the trainer rank has what the engine on its GPU leaves
+    if layout.colocate:
         yield (f"colocated: the trainer rank on each GPU has {trainer_share / GIB:.1f} GiB = (1 - "
                f"rollout.engine_memory_fraction) x layout.gpu_memory_gigabytes while its engine is awake"
                + ("; rollout.sleep_while_training frees the engine's share during the step"
                   if cfg.rollout.sleep_while_training else ""))
-        if needed > trainer_share:
-            problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but its engine leaves it "
-                            f"{trainer_share / GIB:.1f} GiB of the GPU: lower rollout.engine_memory_fraction (now "
-                            f"{cfg.rollout.engine_memory_fraction:g}), set train.cpu_offload, or shard finer over "
-                            f"more trainer ranks")
-    if needed > gpu:
-        problems.append(f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
+    problems = failing(
+        (not layout.colocate or needed <= trainer_share,
+         f"a trainer rank needs at least {needed / GIB:.1f} GiB but its engine leaves it "
+         f"{trainer_share / GIB:.1f} GiB of the GPU: lower rollout.engine_memory_fraction (now "
+         f"{cfg.rollout.engine_memory_fraction:g}), set train.cpu_offload, or shard finer over more trainer ranks"),
+        (needed <= gpu, f"a trainer rank needs at least {needed / GIB:.1f} GiB but layout.gpu_memory_gigabytes="
                         f"{layout.gpu_memory_gigabytes:g}: raise layout.num_trainer_ranks (now "
-                        f"{layout.num_trainer_ranks}) to shard finer, or set train.cpu_offload")
-    if engine_needs > budget:
-        problems.append(f"an engine GPU needs {engine_needs / GIB:.1f} GiB for its weights"
-                        f"{'' if kv_cache_bytes is None else ' and KV cache'} but gets {sizing}: raise "
-                        f"layout.engine_tensor_parallel_size (now {tensor_parallel}, at most layout.gpus_per_node="
-                        f"{layout.gpus_per_node}) or {fix}")
+                        f"{layout.num_trainer_ranks}) to shard finer, or set train.cpu_offload"),
+        (engine_needs <= budget,
+         f"an engine GPU needs {engine_needs / GIB:.1f} GiB for its weights"
+         f"{'' if kv_cache_bytes is None else ' and KV cache'} but gets {sizing}: raise "
+         f"layout.engine_tensor_parallel_size (now {tensor_parallel}, at most layout.gpus_per_node="
+         f"{layout.gpus_per_node}) or {fix}"))
     if problems:
         raise ConfigError("does not fit:\n  " + "\n  ".join(problems))
 
@@ -339,14 +337,11 @@ def describe_files(cfg: MoltConfig) -> Iterator[str]:
 
 def describe_prompt_sample(cfg: MoltConfig) -> Iterator[str]:
     """The prompt file's first rows, validated as the job validates every row before it starts."""
-    from molt.controller.prompts import load_prompt_rows
+    from molt.controller.prompts import load_field_rows
 
     if not Path(cfg.data.train_path).is_file():
         return
-    try:
-        rows = load_prompt_rows(cfg.data.train_path, max_rows=PROMPT_SAMPLE_ROWS)
-    except ValueError as error:
-        raise ConfigError(f"data.train_path: {error}") from None
+    rows = load_field_rows("data.train_path", cfg.data.train_path, max_rows=PROMPT_SAMPLE_ROWS)
     yield (f"  data.train_path: the first {len(rows):,} row(s) are valid prompt rows (the job checks every row "
            f"before it starts)")
 
@@ -357,16 +352,14 @@ def describe_context_parallel(cfg: MoltConfig) -> Iterator[str]:
     if cp == 1:
         return
     tokens = cfg.train.max_tokens_per_micro_batch
-    problems = []
-    if tokens % (2 * cp):
-        problems.append(f"train.max_tokens_per_micro_batch={tokens} must be a multiple of 2 x "
-                        f"layout.trainer_context_parallel_size={cp} (load-balanced causal sharding)")
-    if cfg.train.packing:
-        problems.append("train.packing=True: context-parallel attention takes plain causal rows, not packed ones; "
-                        "set train.packing=False")
-    if cfg.algorithm.importance_level in ("seq", "geo"):
-        problems.append(f"algorithm.importance_level={cfg.algorithm.importance_level!r} sums over whole sequences, "
-                        f"which context parallelism splits across ranks; use token")
+    problems = failing(
+        (tokens % (2 * cp) == 0, f"train.max_tokens_per_micro_batch={tokens} must be a multiple of 2 x "
+                                 f"layout.trainer_context_parallel_size={cp} (load-balanced causal sharding)"),
+        (not cfg.train.packing, "train.packing=True: context-parallel attention takes plain causal rows, not packed "
+                                "ones; set train.packing=False"),
+        (cfg.algorithm.importance_level not in ("seq", "geo"),
+         f"algorithm.importance_level={cfg.algorithm.importance_level!r} sums over whole sequences, which context "
+         f"parallelism splits across ranks; use token"))
     if problems:
         raise ConfigError("context parallelism:\n  " + "\n  ".join(problems))
     yield (f"context parallel {cp}: each sequence split over {cp} ranks (sdpa ring attention, "

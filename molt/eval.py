@@ -26,7 +26,7 @@ from pathlib import Path
 
 from molt.config import ConfigError, MoltConfig, build_arg_parser, load_config, validate_config
 from molt.controller.evaluation import EvalSample, build_eval_requests, compute_eval_metrics, sample_from_outcome, split_eval_rows
-from molt.controller.prompts import PromptRow, load_prompt_rows
+from molt.controller.prompts import PromptRow, load_field_rows
 from molt.distributed.devices import apply_vllm_worker_start_method
 from molt.distributed.lifetime import die_with_owner, mark_owner
 from molt.metrics import configure_logging
@@ -50,11 +50,7 @@ def read_eval_rows(cfg: MoltConfig) -> list[PromptRow]:
             raise ConfigError(f"eval.data_path={cfg.eval.data_path!r} is not a file: point it at a .jsonl or .parquet "
                               f"prompt set")
         return split_eval_rows(cfg, [])[1]
-    try:
-        rows = load_prompt_rows(cfg.data.train_path)
-    except ValueError as error:
-        raise ConfigError(f"data.train_path: {error}") from None
-    return split_eval_rows(cfg, rows)[1]
+    return split_eval_rows(cfg, load_field_rows("data.train_path", cfg.data.train_path))[1]
 
 
 def resolve_model_dir(checkpoint: str, cfg: MoltConfig, scratch_dir: str) -> str:

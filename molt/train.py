@@ -116,12 +116,9 @@ def read_prompt_rows(cfg: MoltConfig) -> list[PromptRow]:
     """Every row of data.train_path, validated before the process group, the models or the engines
     start (molt.controller.prompts); the controller's loader takes them, so the file is read once. A bad row, or
     fewer rows than one step takes, is a ConfigError naming the file, line or field."""
-    from molt.controller.prompts import load_prompt_rows
+    from molt.controller.prompts import load_field_rows
 
-    try:
-        rows = load_prompt_rows(cfg.data.train_path)
-    except ValueError as error:
-        raise ConfigError(f"data.train_path: {error}") from None
+    rows = load_field_rows("data.train_path", cfg.data.train_path)
     if len(rows) < cfg.rollout.prompts_per_step:
         raise ConfigError(f"data.train_path={cfg.data.train_path!r} has {len(rows)} rows, fewer than "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: lower it or add rows")

@@ -4,5 +4,5 @@ from molt.agents.base import AgentRunnerBase, Result, RolloutOutcome, RolloutReq
 from molt.agents.chat import ChatAgent, ChatAgentRunner, ChatContext
 from molt.agents.env import Env, StepEnvRunner, StepState
 
-__all__ = ["AgentRunnerBase", "ChatAgent", "ChatAgentRunner", "ChatContext", "Env", "Result", "RolloutOutcome", "RolloutRequest", "SamplingParams",
-           "StepEnvRunner", "StepState", "load_agent_runner"]
+__all__ = ["AgentRunnerBase", "ChatAgent", "ChatAgentRunner", "ChatContext", "Env", "Result", "RolloutOutcome",
+           "RolloutRequest", "SamplingParams", "StepEnvRunner", "StepState", "load_agent_runner"]

@@ -135,18 +135,15 @@ def check_cpu_offload(cfg: MoltConfig, device_type: str) -> None:
 
 def config_warnings(cfg: MoltConfig) -> list[str]:
     """Settings that are valid but probably not what was meant; start-up logs each once."""
-    algo = cfg.algorithm
-    warnings = []
-    if algo.kl_estimator == "k1" and algo.kl_placement == "loss" and algo.kl_coef > 0:
+    algo, train = cfg.algorithm, cfg.train
+    return failing(
         # E_{y ~ pi}[grad log pi(y)] = 0: on tokens sampled from the policy, k1's gradient is zero in expectation.
-        warnings.append(
-            f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
-            f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
-            f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1")
-    train = cfg.train
-    if train.warmup_steps > train.num_steps:  # e.g. a recipe's warmup in a short trial run
-        warnings.append(
-            f"train.warmup_steps={train.warmup_steps} is more than train.num_steps={train.num_steps}: the whole run "
-            f"warms up and never reaches train.learning_rate={train.learning_rate} (the last step runs at "
-            f"{train.num_steps}/{train.warmup_steps} of it)")
-    return warnings
+        (algo.kl_estimator != "k1" or algo.kl_placement != "loss" or algo.kl_coef <= 0,
+         f"algorithm.kl_estimator='k1' with kl_placement='loss' and kl_coef={algo.kl_coef}: on tokens the "
+         f"policy sampled, k1's gradient is zero in expectation, so this term pulls nothing toward the "
+         f"reference (only noise); use kl_estimator='k3' or 'k2' in the loss, or kl_placement='reward' for k1"),
+        (train.warmup_steps <= train.num_steps,  # e.g. a recipe's warmup in a short trial run
+         f"train.warmup_steps={train.warmup_steps} is more than train.num_steps={train.num_steps}: the whole run "
+         f"warms up and never reaches train.learning_rate={train.learning_rate} (the last step runs at "
+         f"{train.num_steps}/{train.warmup_steps} of it)"),
+    )

@@ -15,6 +15,7 @@ engine's seeds of training requests where they were.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from molt.agents.base import RolloutOutcome
 from molt.config import ConfigError, MoltConfig
-from molt.controller.prompts import PromptRow, load_prompt_rows
+from molt.controller.prompts import PromptRow, load_field_rows
 
 EVAL_SEED_SALT = 0x6576616C  # keeps eval seeds apart from other seeds derived from the run's seed
 
@@ -32,7 +33,7 @@ def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[Prompt
     rows out of training, chosen by the run's seed; they keep their file index (PromptRow.index).
     eval.data_path reads its own file and leaves training whole. eval.max_prompts keeps the first."""
     evaluation = cfg.eval
-    rows = [row if row.index >= 0 else _with_index(row, index) for index, row in enumerate(rows)]
+    rows = [row if row.index >= 0 else dataclasses.replace(row, index=index) for index, row in enumerate(rows)]
     if evaluation.holdout_rows:
         if evaluation.holdout_rows + cfg.rollout.prompts_per_step > len(rows):
             raise ConfigError(f"eval.holdout_rows={evaluation.holdout_rows} leaves {len(rows) - evaluation.holdout_rows} "
@@ -43,20 +44,12 @@ def split_eval_rows(cfg: MoltConfig, rows: list[PromptRow]) -> tuple[list[Prompt
         eval_rows = [row for position, row in enumerate(rows) if position in held]
     elif evaluation.data_path:
         training = rows
-        try:
-            eval_rows = load_prompt_rows(evaluation.data_path)
-        except ValueError as error:
-            raise ConfigError(f"eval.data_path: {error}") from None
+        eval_rows = load_field_rows("eval.data_path", evaluation.data_path)
     else:
         training, eval_rows = rows, []
     if evaluation.max_prompts:
         eval_rows = eval_rows[:evaluation.max_prompts]
     return training, eval_rows
-
-
-def _with_index(row: PromptRow, index: int) -> PromptRow:
-    return PromptRow(messages=row.messages, label=row.label, tools=row.tools, images=row.images,
-                     metadata=row.metadata, index=index)
 
 
 def eval_sample_seed(run_seed: int, prompt_position: int, sample_index: int) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset, Sampler
 
+from molt.config import ConfigError
 from molt.trace.images import ImageError, check_image, data_uri, has_image_parts
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -190,6 +191,14 @@ def load_prompt_rows(path: str | Path, *, max_rows: int | None = None) -> list[P
     return rows
 
 
+def load_field_rows(field: str, path: str, *, max_rows: int | None = None) -> list[PromptRow]:
+    """`load_prompt_rows` of the file a config field names: a bad file or row is a ConfigError naming `field`."""
+    try:
+        return load_prompt_rows(path, max_rows=max_rows)
+    except ValueError as error:
+        raise ConfigError(f"{field}: {error}") from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     """("file:line", decoded record) per non-blank line; bytes, so a bad encoding names its line too."""
     with open(path, "rb") as f:
@@ -294,11 +303,6 @@ class EpochOrderSampler(Sampler[int]):
         self.num_yielded = self.resume_from = state["num_yielded"]
 
 
-def collate_prompt_rows(rows: list[PromptRow]) -> list[PromptRow]:
-    """Keep a batch as a plain list: rows go to agents as text, never as tensors."""
-    return list(rows)
-
-
 def build_prompt_loader(
     path: str | Path,
     *,
@@ -326,5 +330,5 @@ def build_prompt_loader(
         batch_size=batch_size,
         sampler=EpochOrderSampler(len(dataset), shuffle=shuffle, seed=seed),
         drop_last=drop_last,
-        collate_fn=collate_prompt_rows,
+        collate_fn=list,  # a batch stays a plain list: rows go to agents as text, never as tensors
     )

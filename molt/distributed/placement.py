@@ -17,6 +17,7 @@ node runs, for the launch scripts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -116,12 +117,7 @@ def tasks_per_node(cfg: MoltConfig, num_nodes: int | None = None) -> list[int]:
 
 def format_tasks_per_node(counts: list[int]) -> str:
     """Slurm's compact form, the inverse of molt.distributed.slurm.expand_tasks_per_node: [8, 8, 1] -> '8(x2),1'."""
-    runs: list[list[int]] = []
-    for count in counts:
-        if runs and runs[-1][0] == count:
-            runs[-1][1] += 1
-        else:
-            runs.append([count, 1])
+    runs = [(count, len(list(repeats))) for count, repeats in itertools.groupby(counts)]
     return ",".join(f"{count}(x{repeat})" if repeat > 1 else str(count) for count, repeat in runs)
 
 

@@ -141,19 +141,24 @@ def compute_ppo_clip_loss(
         per_token = torch.where(dual_clipped, cap, per_token)
     if importance_weights is not None:
         per_token = per_token * importance_weights
-    zeros = torch.zeros_like(per_token)
     loss = aggregate_tokens(per_token, mask, denominator=denominator)
-
-    with torch.no_grad():
-        maskf = mask.to(per_token.dtype)
-        stats = {
-            "action_tokens": maskf.sum(),
-            "clipped_tokens": ((clipped > unclipped).to(per_token.dtype) * maskf).sum(),
-            "dual_clipped_tokens": (dual_clipped & mask).to(per_token.dtype).sum(),
-            "ratio_sum": torch.where(mask, ratio, zeros).sum(),
-            "approx_kl_sum": torch.where(mask, (ratio - 1) - log_ratio, zeros).sum(),
-        }
+    stats = _ratio_stats(mask, clipped > unclipped, ratio, log_ratio, per_token.dtype)
+    stats["dual_clipped_tokens"] = (dual_clipped & mask).to(per_token.dtype).sum()
     return loss, stats
+
+
+def _ratio_stats(mask: Tensor, clipped: Tensor, ratio: Tensor, log_ratio: Tensor,
+                 dtype: torch.dtype) -> dict[str, Tensor]:
+    """The statistics of every policy loss, masked sums over action tokens in `dtype`: "action_tokens",
+    "clipped_tokens" (where `clipped`), "ratio_sum" (of `ratio`) and "approx_kl_sum" (k3 of `log_ratio`)."""
+    with torch.no_grad():
+        log_ratio = log_ratio.detach()
+        return {
+            "action_tokens": mask.to(dtype).sum(),
+            "clipped_tokens": (clipped & mask).to(dtype).sum(),
+            "ratio_sum": torch.where(mask, ratio.to(dtype), 0.0).sum(),
+            "approx_kl_sum": torch.where(mask, ((torch.exp(log_ratio) - 1) - log_ratio).to(dtype), 0.0).sum(),
+        }
 
 
 def compute_gspo_loss(
@@ -192,16 +197,7 @@ def compute_gspo_loss(
     if importance_weights is not None:
         per_token = per_token * importance_weights
     loss = aggregate_tokens(per_token, mask, denominator=denominator)
-    with torch.no_grad():
-        maskf = mask.to(per_token.dtype)
-        token_ratio = torch.exp(log_ratio)
-        stats = {
-            "action_tokens": maskf.sum(),
-            "clipped_tokens": ((clipped > unclipped).to(per_token.dtype) * maskf).sum(),
-            "ratio_sum": torch.where(mask, ratio, zeros).sum(),
-            "approx_kl_sum": torch.where(mask, (token_ratio - 1) - log_ratio, zeros).sum(),
-        }
-    return loss, stats
+    return loss, _ratio_stats(mask, clipped > unclipped, ratio, log_ratio, per_token.dtype)
 
 
 def compute_cispo_loss(
@@ -233,17 +229,8 @@ def compute_cispo_loss(
     per_token = -weight * advantages * logprobs
     if importance_weights is not None:
         per_token = per_token * importance_weights
-    zeros = torch.zeros_like(per_token)
     loss = aggregate_tokens(per_token, mask, denominator=denominator)
-    with torch.no_grad():
-        maskf = mask.to(per_token.dtype)
-        stats = {
-            "action_tokens": maskf.sum(),
-            "clipped_tokens": ((weight != ratio).to(per_token.dtype) * maskf).sum(),
-            "ratio_sum": torch.where(mask, ratio, zeros).sum(),
-            "approx_kl_sum": torch.where(mask, (ratio - 1) - log_ratio.detach(), zeros).sum(),
-        }
-    return loss, stats
+    return loss, _ratio_stats(mask, weight != ratio, ratio, log_ratio, per_token.dtype)
 
 
 def compute_importance_weights(

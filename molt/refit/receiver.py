@@ -28,6 +28,7 @@ the clean-up after a failed or cancelled update. That part has never run on a GP
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -93,7 +94,7 @@ class RefitReceiver:
             options = dist.BroadcastOptions()
             options.rootRank = 0
             self._molt_group.broadcast([flat], options).wait()
-            numels = [_numel(shape) for _, _, shape in bucket]
+            numels = [math.prod(shape) for _, _, shape in bucket]
             for (name, _, shape), chunk in zip(bucket, flat.split(numels)):
                 self._molt_intact = False  # from here on a failure may leave old and new weights mixed
                 yield name, chunk.view(shape)
@@ -238,10 +239,3 @@ class RefitReceiver:
                 info.loaded_weights, info.load_numel = [], 0
         finalize_layerwise_reload(model, self.model_runner.model_config)
         logger.warning("a weight load stopped part-way; layers not complete keep their old weights")
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

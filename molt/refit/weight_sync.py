@@ -43,6 +43,7 @@ is `1 + e * TP + t`. The join message carries the engine's first rank; each work
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -85,10 +86,7 @@ class BucketEntry:
 
     @property
     def num_bytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * getattr(torch, self.dtype).itemsize
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 def plan_buckets(entries: list[BucketEntry], bucket_bytes: int) -> list[list[BucketEntry]]:

@@ -58,11 +58,6 @@ def external_request_id(internal_id: str) -> str:
 
 # -- which engines capture ------------------------------------------------------------------------
 
-def model_has_experts(hf_config) -> bool:
-    """Whether a Hugging Face config describes a mixture-of-experts model."""
-    return count_experts(hf_config) > 0
-
-
 def resolve_capture_routes(setting: bool | None, model_path: str) -> bool:
     """rollout.capture_routes made definite: None = on for MoE models, off for dense ones; True on a
     dense model is refused (there are no routes to capture)."""
@@ -70,7 +65,7 @@ def resolve_capture_routes(setting: bool | None, model_path: str) -> bool:
 
     if setting is False:
         return False
-    is_moe = model_has_experts(AutoConfig.from_pretrained(model_path))
+    is_moe = count_experts(AutoConfig.from_pretrained(model_path)) > 0
     if setting and not is_moe:
         raise ConfigError(f"rollout.capture_routes=True, but model.path={model_path!r} is a dense model (its config "
                           f"has none of {', '.join(EXPERT_COUNT_FIELDS)}): it routes no tokens to experts; "

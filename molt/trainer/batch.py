@@ -81,12 +81,7 @@ class MicroBatch:
     def model_temperatures(self) -> torch.Tensor:
         """`temperatures` laid out like `model_inputs()`: the padded rows, or [packed_rows, width]
         with 1 on a packed row's pad tail (whose log-probs `to_rows` drops)."""
-        if self.packed_ids is None:
-            return self.temperatures
-        real = self.packed_index >= 0
-        flat = self.temperatures.new_ones(self.packed_index.shape)
-        flat[real] = self.temperatures.reshape(-1)[self.packed_index[real]]
-        return flat.view(self.packed_ids.shape)
+        return self.model_layout(self.temperatures, fill=1.0)
 
     def model_layout(self, values: torch.Tensor, *, fill: float | bool) -> torch.Tensor:
         """Per-token `values` ([batch, seq, ...], like `input_ids`) laid out like `model_inputs()`:

@@ -168,7 +168,7 @@ def save_checkpoint(root: str | Path, step: int, *, trainables: dict, group: dis
                                                    "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()]
                                                    if torch.cuda.is_available() else []})
     if rank == 0:
-        _write_json(partial / "state.json", {**state, "python_random": _encode_random(random.getstate())})
+        _write_json(partial / "state.json", {**state, "python_random": random.getstate()})  # JSON: tuples as lists
     dist.barrier(group=group)
     if rank == 0:
         os.rename(partial, final)
@@ -199,7 +199,8 @@ def load_checkpoint(path: Path, *, trainables: dict, group: dist.ProcessGroup, r
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([_decode(s) for s in rng["cuda"]])
     state = json.loads((path / "state.json").read_text())
-    random.setstate(_decode_random(state.pop("python_random")))
+    version, internal, gauss = state.pop("python_random")
+    random.setstate((version, tuple(internal), gauss))
     return state
 
 
@@ -225,13 +226,3 @@ def _encode(tensor: torch.Tensor) -> str:
 
 def _decode(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _encode_random(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _decode_random(state: list) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss

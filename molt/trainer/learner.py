@@ -46,8 +46,7 @@ class BatchInfo:
     segment_indices: list[int] | None = None
 
     def to_dict(self) -> dict:
-        return {"rollout_ids": self.rollout_ids, "group_ids": self.group_ids, "rewards": self.rewards,
-                "own": self.own, "segment_indices": self.segment_indices}
+        return dataclasses.asdict(self)
 
 
 class Learner:

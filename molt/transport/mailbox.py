@@ -65,7 +65,7 @@ class Mailbox:
         heartbeat = heartbeat or Heartbeat(self.heartbeat_seconds)
         while len(received) < count:
             try:
-                identity, message = self.router.receive_until(min(deadline, heartbeat.due_at))
+                identity, message = self.router.receive(max(0.0, min(deadline, heartbeat.due_at) - time.monotonic()))
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     break

@@ -146,9 +146,6 @@ class Router:
                 logger.warning("controller socket: dropped a malformed message from %r: %s", identity[:64],
                                str(error) or type(error).__name__)
 
-    def receive_until(self, deadline: float) -> tuple[str, dict]:
-        return self.receive(max(0.0, deadline - time.monotonic()))
-
     def log_connection_event(self, event: dict) -> None:
         """A connection that fails the CURVE handshake reports that, then its disconnection, back to
         back (the context's one I/O thread emits both in one call); a disconnection on its own is a

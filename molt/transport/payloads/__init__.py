@@ -9,9 +9,8 @@ from any other node.
 """
 
 from molt.transport.payloads.client import PayloadClient
-from molt.transport.payloads.fields import (
-                                            TOKEN_FIELDS, experience_tensors, offload_experience, offload_record, reload_record, restore_experience,
-                                            )
+from molt.transport.payloads.fields import (TOKEN_FIELDS, experience_tensors, offload_experience, offload_record,
+                                            reload_record, restore_experience)
 from molt.transport.payloads.reference import PayloadRef, TensorEntry, default_node_id
 from molt.transport.payloads.store import PayloadStore
 
